@@ -1,0 +1,183 @@
+"""multigpu_torchrun.py, stage 3 of 4: torchrun starts the processes, sets rank and world size, restarts failures.
+Launch: torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10   (on CPUs: --nproc_per_node=2)
+
+Arguments: total_epochs save_every, then flags (--help). The GPU if there is one, else the CPU (CUDA_VISIBLE_DEVICES=
+forces the CPU). A run resumes from its --snapshot_path. Each stage adds distribution to the one before: single_gpu.py,
+multigpu.py, multigpu_torchrun.py, multinode.py; diff two neighbours to see exactly how.
+"""
+import argparse
+import os
+import pickle
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+SYNTHETIC_TRAIN, SYNTHETIC_VAL, SYNTHETIC_NOISE = 2048, 512, 3.0  # the default data: 10 classes of 3x32x32 images
+
+
+def setup(local_rank: int, global_rank: int, world_size: int, local_world_size: int) -> torch.device:
+    """The one place that picks the hardware: CUDA when present, else the CPU."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))  # the processes on a machine share its cores
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # where pinned memory and the backend's buffers go
+    dist.init_process_group(dist.get_default_backend_for_device(device), rank=global_rank, world_size=world_size,
+                            timeout=timedelta(minutes=5))  # NCCL between GPUs, gloo between CPUs
+    return device
+
+
+def load_datasets(data_dir: str | None, image_size: int) -> tuple[Dataset, Dataset, int]:
+    """(train, val, number of classes): synthetic data, or an ImageFolder tree DIR/train/CLASS/* and DIR/val/CLASS/*."""
+    if data_dir is None:  # a fixed seed: every process and every run builds the same data
+        g = torch.Generator().manual_seed(1234)
+        prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32, mode="bilinear")
+        labels = torch.randint(10, (SYNTHETIC_TRAIN + SYNTHETIC_VAL,), generator=g)
+        data = TensorDataset(prototypes[labels] + SYNTHETIC_NOISE * torch.randn(len(labels), 3, 32, 32, generator=g), labels)
+        return Subset(data, range(SYNTHETIC_TRAIN)), Subset(data, range(SYNTHETIC_TRAIN, len(data))), 10
+    from torchvision import datasets, transforms  # imported only when used: it adds ~2 s to each process's start
+    to_tensor = [transforms.ToTensor(), transforms.Normalize([0.5] * 3, [0.5] * 3)]
+    augment = [transforms.RandomResizedCrop(image_size, scale=(0.6, 1.0)), transforms.RandomHorizontalFlip()]
+    center = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
+    try:
+        train = datasets.ImageFolder(os.path.join(data_dir, "train"), transforms.Compose(augment + to_tensor))
+        val = datasets.ImageFolder(os.path.join(data_dir, "val"), transforms.Compose(center + to_tensor))
+    except OSError as e:  # no such folder, no class folders, no images
+        sys.exit(f"error: --data_dir {data_dir}: {e}; expected images in {data_dir}/train/CLASS/ and {data_dir}/val/CLASS/")
+    if train.classes != val.classes:
+        sys.exit(f"error: --data_dir {data_dir}: train/ and val/ must hold the same class folders")
+    return train, val, len(train.classes)
+
+
+def build_model(arch: str, num_classes: int) -> nn.Module:
+    """The default is a small CNN, smooth (GELU, average pooling), without BatchNorm or dropout: see README."""
+    if arch == "convnet":
+        return nn.Sequential(
+            nn.Conv2d(3, 32, 4, stride=4), nn.GELU(),  # 4x4 patches: 32x32 -> 8x8
+            nn.Conv2d(32, 64, 3, padding=1), nn.GELU(), nn.AvgPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes))
+    from torchvision import models  # imported only when used: it adds ~2 s to each process's start
+    if arch not in models.list_models(module=models):
+        sys.exit(f"error: unknown --arch {arch}: use convnet or a torchvision classification model such as resnet18")
+    return models.get_model(arch, num_classes=num_classes)
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: DataLoader,
+                 val_data: DataLoader, device: torch.device, args: argparse.Namespace) -> None:
+        self.model, self.optimizer, self.train_data, self.val_data = model, optimizer, train_data, val_data
+        self.device, self.seed, self.save_every, self.snapshot_path = device, args.seed, args.save_every, args.snapshot_path
+        self.global_rank = dist.get_rank()  # unique across all processes and nodes: rank 0 logs and writes snapshots
+        self.epochs_run = self._load_snapshot()
+        ends = torch.tensor([self.epochs_run, -self.epochs_run], device=device)
+        dist.all_reduce(ends, op=dist.ReduceOp.MAX)  # the latest and (minus) the earliest epoch any rank resumes from
+        if ends[0] != -ends[1]:  # every rank stops, so none trains from another starting point
+            sys.exit(f"error: ranks see different snapshots at {self.snapshot_path}: put it where every rank sees the same file")
+        self.ddp_model = nn.parallel.DistributedDataParallel(model)  # averages gradients across ranks in backward()
+
+    def _load_snapshot(self) -> int:
+        """Epochs already run, 0 without a snapshot. weights_only=True never runs code from the file."""
+        if not os.path.exists(self.snapshot_path):
+            return 0
+        try:
+            snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
+            self.model.load_state_dict(snapshot["model"])
+            self.optimizer.load_state_dict(snapshot["optimizer"])
+            return int(snapshot["epoch"])
+        except pickle.UnpicklingError:  # weights_only=True refused it, and ran nothing from it
+            reason = "not a snapshot of tensors and plain data"
+        except Exception as e:  # garbage, truncated, another model: say which, and leave the file as it is
+            reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        sys.exit(f"error: cannot resume from {self.snapshot_path}: {reason}; move it away or pass --snapshot_path")
+
+    def _save_snapshot(self, epochs_run: int) -> None:
+        snapshot = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "epoch": epochs_run}
+        with open(f"{self.snapshot_path}.tmp", "wb") as f:  # same folder, so the rename below is atomic
+            torch.save(snapshot, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(f"{self.snapshot_path}.tmp", self.snapshot_path)  # a crash before this leaves the last snapshot intact
+
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.ddp_model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch: int) -> torch.Tensor:
+        """Train one epoch, then evaluate: returns [train loss sum, train samples, val correct, val samples]."""
+        torch.manual_seed(self.seed + 1000 * epoch + self.global_rank)  # (seed, epoch, rank) alone: resume is exact
+        self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch
+        stats = torch.tensor([0.0, len(self.train_data.sampler), 0.0, len(self.val_data.dataset)], device=self.device)
+        self.model.train()
+        for source, targets in self.train_data:
+            source, targets = source.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            stats[0] += self._run_batch(source, targets) * len(targets)  # no .item(): no host sync per step
+        self.model.eval()
+        with torch.no_grad():
+            for source, targets in self.val_data:
+                source, targets = source.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+                stats[2] += (self.model(source).argmax(1) == targets).sum()
+        return stats
+
+    def train(self, total_epochs: int) -> None:
+        for epoch in range(self.epochs_run, total_epochs):
+            start = time.perf_counter()
+            stats = self._run_epoch(epoch)
+            dist.all_reduce(stats)  # sums over all ranks: rank 0 prints global figures
+            loss_sum, samples, correct, evaluated = stats.tolist()  # the epoch's one host sync
+            if self.global_rank == 0:
+                print(f"Epoch {epoch + 1} | loss {loss_sum / samples:.4f} | acc {correct / evaluated:.4f} | "
+                      f"{samples / (time.perf_counter() - start):.0f} samples/s", flush=True)
+            if self.global_rank == 0 and ((epoch + 1) % self.save_every == 0 or epoch + 1 == total_epochs):
+                self._save_snapshot(epoch + 1)
+
+
+def main(local_rank: int, args: argparse.Namespace) -> None:
+    world_size = int(os.environ["WORLD_SIZE"])  # torchrun sets it, and LOCAL_RANK, RANK, MASTER_ADDR, MASTER_PORT
+    device = setup(local_rank, local_rank, world_size, world_size)  # one machine: global rank = local rank
+    train_set, val_set, num_classes = load_datasets(args.data_dir, args.image_size)
+    torch.manual_seed(args.seed)  # the same initial weights in every stage
+    model = build_model(args.arch, num_classes).to(device)
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if device.type == "cuda" else model  # BatchNorm over all ranks
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    sampler = DistributedSampler(train_set, seed=args.seed)  # each rank takes its own share of every global batch
+    val_set = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))  # no sample counted twice
+    workers = dict(num_workers=4, pin_memory=True, persistent_workers=True) if device.type == "cuda" else {}
+    train_data = DataLoader(train_set, args.batch_size, sampler=sampler, **workers)
+    val_data = DataLoader(val_set, 2 * args.batch_size, **workers)
+    Trainer(model, optimizer, train_data, val_data, device, args).train(args.total_epochs)
+    dist.destroy_process_group()
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage dump
+    parser.add_argument("total_epochs", type=positive_int, nargs="?", default=argparse.SUPPRESS, help="as --total_epochs")
+    parser.add_argument("save_every", type=positive_int, nargs="?", default=argparse.SUPPRESS, help="as --save_every")
+    parser.add_argument("--total_epochs", type=positive_int, default=5, help="epochs to train in all (default 5)")
+    parser.add_argument("--save_every", type=positive_int, default=5, help="snapshot every N epochs and at the end (default 5)")
+    parser.add_argument("--batch_size", type=positive_int, default=32, help="samples per step in each process (default 32)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default 0)")
+    parser.add_argument("--snapshot_path", default="snapshot.pt", help="snapshot to resume from and save to (default snapshot.pt)")
+    parser.add_argument("--data_dir", help="ImageFolder tree with train/ and val/ (default: built-in synthetic data)")
+    parser.add_argument("--image_size", type=positive_int, default=32, help="side of the images fed to the model (default 32)")
+    parser.add_argument("--arch", default="convnet", help="convnet (default) or a torchvision classification model, e.g. resnet18")
+    args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit(f"error: start {os.path.basename(__file__)} with torchrun, as the first lines of the file show")
+    main(int(os.environ["LOCAL_RANK"]), args)
