@@ -1,0 +1,28 @@
+#!/bin/bash
+# Stage 4 on a Slurm cluster: one torchrun per node; they meet at the first node of the allocation (c10d rendezvous)
+# and start one process per allocated GPU each (CPU_PROCS per node on a CPU-only cluster).
+# Submit from the repository root with your Python environment active:
+#   sbatch slurm/multinode.sh [total_epochs save_every flags...]   (default: 50 10)
+#   sbatch --gpus-per-node=0 slurm/multinode.sh                    (a CPU-only cluster)
+# The repository folder (the snapshot is written there) must be on storage every node sees.
+# Add what your site needs, e.g. #SBATCH --partition=NAME and #SBATCH --account=NAME.
+#SBATCH --job-name=multinode
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=16
+#SBATCH --time=01:00:00
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+[ $# -gt 0 ] || set -- 50 10
+nproc=${SLURM_GPUS_ON_NODE:-0}
+[ "$nproc" -gt 0 ] || nproc=${CPU_PROCS:-2}
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}  # one per job, so two jobs on one head node do not collide
+# Several network interfaces? Name the one the nodes share: export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0
+# NCCL_DEBUG=INFO shows how NCCL connects the nodes; useful when a job hangs at start.
+# Restarted workers must not meet the dead ones' addresses in torchrun's shared store (pytorch/pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+srun --label hostname  # which nodes the job spans
+srun --kill-on-bad-exit=1 torchrun --nnodes="$SLURM_NNODES" --nproc_per_node="$nproc" --max-restarts=3 \
+    --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" multinode.py "$@"
