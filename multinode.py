@@ -1,10 +1,7 @@
 """multinode.py, stage 4 of 4: one torchrun per node; LOCAL_RANK picks the device, RANK the role in the whole job.
 Launch on each node: torchrun --nnodes=2 --nproc_per_node=gpu --rdzv-id=JOB --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 multinode.py 50 10
-
-Arguments: total_epochs save_every, then flags (--help). The GPU if there is one, else the CPU (CUDA_VISIBLE_DEVICES=
-forces the CPU). A run resumes from its --snapshot_path. Each stage adds distribution to the one before: single_gpu.py,
-multigpu.py, multigpu_torchrun.py, multinode.py; diff two neighbours to see exactly how.
-"""
+Arguments: total_epochs save_every [flags, see --help]. Uses the GPU if there is one, else the CPU (CUDA_VISIBLE_DEVICES=
+forces the CPU), and resumes from --snapshot_path. Stages: single_gpu, multigpu, multigpu_torchrun, multinode; diff two."""
 import argparse
 import os
 import pickle
@@ -19,8 +16,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-SYNTHETIC_TRAIN, SYNTHETIC_VAL, SYNTHETIC_NOISE = 2048, 512, 3.0  # the default data: 10 classes of 3x32x32 images
-
 
 def setup(local_rank: int, global_rank: int, world_size: int, local_world_size: int) -> torch.device:
     """The one place that picks the hardware: CUDA when present, else the CPU."""
@@ -34,20 +29,20 @@ def setup(local_rank: int, global_rank: int, world_size: int, local_world_size: 
 
 
 def load_datasets(data_dir: str | None, image_size: int) -> tuple[Dataset, Dataset, int]:
-    """(train, val, number of classes): synthetic data, or an ImageFolder tree DIR/train/CLASS/* and DIR/val/CLASS/*."""
+    """(train, val, classes): by default 2048 + 512 noisy 3x32x32 images of 10 classes, else DIR/{train,val}/CLASS/*"""
     if data_dir is None:  # a fixed seed: every process and every run builds the same data
         g = torch.Generator().manual_seed(1234)
-        prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32, mode="bilinear")
-        labels = torch.randint(10, (SYNTHETIC_TRAIN + SYNTHETIC_VAL,), generator=g)
-        data = TensorDataset(prototypes[labels] + SYNTHETIC_NOISE * torch.randn(len(labels), 3, 32, 32, generator=g), labels)
-        return Subset(data, range(SYNTHETIC_TRAIN)), Subset(data, range(SYNTHETIC_TRAIN, len(data))), 10
-    from torchvision import datasets, transforms  # imported only when used: it adds ~2 s to each process's start
-    to_tensor = [transforms.ToTensor(), transforms.Normalize([0.5] * 3, [0.5] * 3)]
-    augment = [transforms.RandomResizedCrop(image_size, scale=(0.6, 1.0)), transforms.RandomHorizontalFlip()]
-    center = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
+        labels = torch.randint(10, (2048 + 512,), generator=g)
+        prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32, mode="bilinear")  # one per class
+        data = TensorDataset(prototypes[labels] + 3 * torch.randn(len(labels), 3, 32, 32, generator=g), labels)
+        return Subset(data, range(2048)), Subset(data, range(2048, len(data))), 10
+    from torchvision import datasets, transforms as T  # imported only when used: it adds ~2 s to each process's start
+    tensor = [T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)]
     try:
-        train = datasets.ImageFolder(os.path.join(data_dir, "train"), transforms.Compose(augment + to_tensor))
-        val = datasets.ImageFolder(os.path.join(data_dir, "val"), transforms.Compose(center + to_tensor))
+        train = datasets.ImageFolder(os.path.join(data_dir, "train"), T.Compose(
+            [T.RandomResizedCrop(image_size, scale=(0.6, 1.0)), T.RandomHorizontalFlip()] + tensor))
+        val = datasets.ImageFolder(os.path.join(data_dir, "val"), T.Compose(
+            [T.Resize(image_size), T.CenterCrop(image_size)] + tensor))
     except OSError as e:  # no such folder, no class folders, no images
         sys.exit(f"error: --data_dir {data_dir}: {e}; expected images in {data_dir}/train/CLASS/ and {data_dir}/val/CLASS/")
     if train.classes != val.classes:
@@ -82,19 +77,16 @@ class Trainer:
         self.ddp_model = nn.parallel.DistributedDataParallel(model)  # averages gradients across ranks in backward()
 
     def _load_snapshot(self) -> int:
-        """Epochs already run, 0 without a snapshot. weights_only=True never runs code from the file."""
         if not os.path.exists(self.snapshot_path):
-            return 0
-        try:
+            return 0  # no snapshot yet: start at epoch 0
+        try:  # weights_only=True: tensors and plain data only, never code from the file
             snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
             self.model.load_state_dict(snapshot["model"])
             self.optimizer.load_state_dict(snapshot["optimizer"])
             return int(snapshot["epoch"])
-        except pickle.UnpicklingError:  # weights_only=True refused it, and ran nothing from it
-            reason = "not a snapshot of tensors and plain data"
-        except Exception as e:  # garbage, truncated, another model: say which, and leave the file as it is
-            reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        sys.exit(f"error: cannot resume from {self.snapshot_path}: {reason}; move it away or pass --snapshot_path")
+        except Exception as e:  # garbage, truncated, another model, pickled objects: say which, keep the file as it is
+            reason = "not a snapshot of tensors and plain data" if isinstance(e, pickle.UnpicklingError) else e
+        sys.exit(f"error: cannot resume from {self.snapshot_path}: {' '.join(str(reason).split())[:300]} (move it away)")
 
     def _save_snapshot(self, epochs_run: int) -> None:
         snapshot = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "epoch": epochs_run}
@@ -102,14 +94,7 @@ class Trainer:
             torch.save(snapshot, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(f"{self.snapshot_path}.tmp", self.snapshot_path)  # a crash before this leaves the last snapshot intact
-
-    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.ddp_model(source), targets)
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
+        os.replace(f"{self.snapshot_path}.tmp", self.snapshot_path)  # a crash before this keeps the last snapshot
 
     def _run_epoch(self, epoch: int) -> torch.Tensor:
         """Train one epoch, then evaluate: returns [train loss sum, train samples, val correct, val samples]."""
@@ -119,7 +104,11 @@ class Trainer:
         self.model.train()
         for source, targets in self.train_data:
             source, targets = source.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
-            stats[0] += self._run_batch(source, targets) * len(targets)  # no .item(): no host sync per step
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(self.ddp_model(source), targets)
+            loss.backward()
+            self.optimizer.step()
+            stats[0] += loss.detach() * len(targets)  # no .item(): no host sync per step
         self.model.eval()
         with torch.no_grad():
             for source, targets in self.val_data:
@@ -154,29 +143,29 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, **workers)
     val_data = DataLoader(val_set, 2 * args.batch_size, **workers)
     Trainer(model, optimizer, train_data, val_data, device, args).train(args.total_epochs)
+    dist.barrier()  # wait for rank 0's last save; no collective is left in flight when the process group goes
     dist.destroy_process_group()
 
 
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return int(text)
-
-
 if __name__ == "__main__":
+    def positive_int(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+        return int(text)
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage dump
     parser.add_argument("total_epochs", type=positive_int, nargs="?", default=argparse.SUPPRESS, help="as --total_epochs")
     parser.add_argument("save_every", type=positive_int, nargs="?", default=argparse.SUPPRESS, help="as --save_every")
     parser.add_argument("--total_epochs", type=positive_int, default=5, help="epochs to train in all (default 5)")
-    parser.add_argument("--save_every", type=positive_int, default=5, help="snapshot every N epochs and at the end (default 5)")
-    parser.add_argument("--batch_size", type=positive_int, default=32, help="samples per step in each process (default 32)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default 0)")
-    parser.add_argument("--snapshot_path", default="snapshot.pt", help="snapshot to resume from and save to (default snapshot.pt)")
+    parser.add_argument("--save_every", type=positive_int, default=5, help="snapshot every N epochs and at the end (5)")
+    parser.add_argument("--batch_size", type=positive_int, default=32, help="samples per step in each process (32)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (1e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (0)")
+    parser.add_argument("--snapshot_path", default="snapshot.pt", help="snapshot to resume from and save to (snapshot.pt)")
     parser.add_argument("--data_dir", help="ImageFolder tree with train/ and val/ (default: built-in synthetic data)")
-    parser.add_argument("--image_size", type=positive_int, default=32, help="side of the images fed to the model (default 32)")
-    parser.add_argument("--arch", default="convnet", help="convnet (default) or a torchvision classification model, e.g. resnet18")
+    parser.add_argument("--image_size", type=positive_int, default=32, help="side of the images fed to the model (32)")
+    parser.add_argument("--arch", default="convnet", help="convnet, or a torchvision classification model: resnet18, ...")
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
         sys.exit(f"error: start {os.path.basename(__file__)} with torchrun, as the first lines of the file show")

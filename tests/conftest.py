@@ -1,10 +1,14 @@
 """Shared helpers: launch a stage exactly as a user would (on CPU + gloo), read its log and its snapshots."""
+import importlib.util
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,15 +30,16 @@ def stage_env(**extra: str) -> dict:
     """CPU + gloo even on a GPU machine; test hooks in tests/faults (inactive unless their variables are set)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FAULT_", "SAVE_KILL", "KEEP_SNAP", "RECORD_DIR"))}
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               PYTHONPATH=str(REPO / "tests" / "faults"))
+               PYTHONPATH=str(REPO / "tests" / "faults"),
+               OMP_WAIT_POLICY="PASSIVE")  # runs share the cores: idle threads sleep instead of spinning
     env.update(extra)
     return env
 
 
 def stage_command(stage: str, args: list, nnodes_rank: int | None = None, endpoint: str = "",
-                  torchrun_args: tuple = ()) -> list:
+                  torchrun_args: tuple = (), plain_python: bool = False) -> list:
     script = str(REPO / f"{stage}.py")
-    if stage in ("single_gpu", "multigpu"):
+    if stage in ("single_gpu", "multigpu") or plain_python:
         return [sys.executable, script, *args]
     if stage == "multigpu_torchrun":
         return [TORCHRUN, "--standalone", "--nproc_per_node=2", *torchrun_args, script, *args]
@@ -43,22 +48,23 @@ def stage_command(stage: str, args: list, nnodes_rank: int | None = None, endpoi
 
 
 class Run:
-    def __init__(self, returncode: int, output: str, seconds: float) -> None:
-        self.returncode, self.output, self.seconds = returncode, output, seconds
+    def __init__(self, returncode: int, output: str, ended: float) -> None:
+        self.returncode, self.output, self.ended = returncode, output, ended  # ended: time.time() at exit
 
     def epochs(self) -> list[tuple[int, float, float, int]]:
         return [(int(e), float(loss), float(acc), int(rate)) for e, loss, acc, rate in EPOCH_LINE.findall(self.output)]
 
 
-def launch(stage: str, args: list, cwd: Path, env: dict | None = None, timeout: float = 90,
-           torchrun_args: tuple = (), node_cwds: tuple | None = None) -> Run:
-    """Run one stage to its end; multinode runs as two torchrun agents ("nodes") on this machine."""
+def launch(stage: str, args: list, cwd: Path, env: dict | None = None, timeout: float = 180,
+           torchrun_args: tuple = (), node_cwds: tuple | None = None, plain_python: bool = False) -> Run:
+    """Run one stage to its end, as a user launches it; multinode runs as two torchrun agents ("nodes") on this
+    machine. plain_python: python SCRIPT, even for the torchrun stages."""
     env = env or stage_env()
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [0, 1] if stage == "multinode" else [None]
+    nodes = [0, 1] if stage == "multinode" and not plain_python else [None]
     cwds = node_cwds or (cwd, cwd)
     start = time.monotonic()
-    procs = [subprocess.Popen(stage_command(stage, [str(a) for a in args], node, endpoint, torchrun_args),
+    procs = [subprocess.Popen(stage_command(stage, [str(a) for a in args], node, endpoint, torchrun_args, plain_python),
                               cwd=cwds[i], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for i, node in enumerate(nodes)]
     outputs, codes = [], []
@@ -74,7 +80,15 @@ def launch(stage: str, args: list, cwd: Path, env: dict | None = None, timeout: 
             proc.communicate()
         pytest.fail(f"{stage} {args} did not finish within {timeout} s")
     code = next((c for c in codes if c != 0), 0)
-    return Run(code, "\n".join(outputs), time.monotonic() - start)
+    return Run(code, "\n".join(outputs), time.time())
+
+
+def launch_all(runs: dict) -> dict:
+    """Several launches at once, {name: launch's keyword arguments}: each run alone leaves a core idle much of the time
+    (imports, rendezvous), and the results do not depend on the load (the arithmetic is deterministic)."""
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        futures = {name: pool.submit(launch, **kwargs) for name, kwargs in runs.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def global_batch_args(stage: str) -> list:
@@ -104,17 +118,167 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
 
 
-@pytest.fixture(scope="session")
-def reference_runs(tmp_path_factory) -> dict:
-    """Each stage trains 3 epochs at global batch 64, seed 0, keeping its snapshot after every epoch.
+DEAD_RANKS = {  # stage, fault, and how the output names the rank that failed
+    "multigpu-raise": ("multigpu", "raise:1:0", "Process 1 terminated"),
+    "multigpu-kill": ("multigpu", "kill:1:0", "error: rank 1 stopped (SIGKILL)"),
+    "torchrun-raise": ("multigpu_torchrun", "raise:1:0", "rank      : 1 (local_rank: 1)"),
+}  # a SIGKILLed worker under torchrun: test_elastic_restart_resumes_exactly
 
-    Shared by the learning, same-model, resume, elastic and shard tests, so each stage starts here only once."""
+
+class Payload:
+    """Unpickling this runs a command that creates a file beside the snapshot: it must never happen."""
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def write_bad_snapshot(path: Path, case: str) -> None:
+    if case == "garbage":
+        path.write_bytes(b"this is not a snapshot\n" * 10)
+    elif case == "empty":
+        path.write_bytes(b"")
+    elif case == "truncated":
+        write_snapshot(path, epoch=1)
+        path.write_bytes(path.read_bytes()[:200])
+    elif case == "other_model":
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 4, stride=4))
+        optimizer = torch.optim.AdamW(model.parameters())
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1}, path)
+    elif case == "payload":
+        torch.save({"model": {}, "optimizer": Payload(path.parent / "payload-ran"), "epoch": 1}, path)
+
+
+def write_snapshot(path: Path, epoch: int) -> None:
+    """A valid snapshot of the default model, as the stages write it."""
+    spec = importlib.util.spec_from_file_location("single_gpu", REPO / "single_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.build_model("convnet", 10)
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, path)
+
+
+def make_image_tree(root, classes=4, train=24, val=8, size=24):
+    """PNG files in the ImageFolder layout; a class is a colour, so a few epochs suffice."""
+    from PIL import Image
+    g = torch.Generator().manual_seed(0)
+    colours = torch.rand(classes, 3, generator=g) * 200
+    for split, count in (("train", train), ("val", val)):
+        for c in range(classes):
+            (root / split / f"class{c}").mkdir(parents=True)
+            for i in range(count):
+                pixels = (colours[c] + 55 * torch.rand(size, size, 3, generator=g)).clamp(0, 255).to(torch.uint8)
+                Image.fromarray(pixels.numpy()).save(root / split / f"class{c}" / f"{i}.png")
+
+
+@pytest.fixture(scope="session")
+def first_wave(tmp_path_factory) -> dict:
+    """Every run that needs no other run's result, launched together: {name: (folder, Run)}.
+
+    reference-STAGE: each stage trains 4 epochs at global batch 64, seed 0, keeping its snapshot after every epoch
+    (shared by the learning, same-model, resume, elastic and shard tests, so each stage starts here only once).
+    The others inject faults (test_faults.py)."""
     runs = {}
     for stage in STAGES:
         cwd = tmp_path_factory.mktemp(stage)
         (cwd / "record").mkdir()
-        env = stage_env(KEEP_SNAPSHOTS="1", RECORD_DIR=str(cwd / "record"))
-        run = launch(stage, [3, 1, *global_batch_args(stage)], cwd, env)
-        assert run.returncode == 0, run.output
-        runs[stage] = (cwd, run)
-    return runs
+        runs[f"reference-{stage}"] = dict(stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd, env=stage_env(
+            KEEP_SNAPSHOTS="1", RECORD_DIR=str(cwd / "record")))
+    for name, (stage, fault, _) in DEAD_RANKS.items():  # FAULT_ONCE's file tells when the rank died
+        cwd = tmp_path_factory.mktemp(name)
+        runs[name] = dict(stage=stage, args=[2, 1], cwd=cwd, env=stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died")))
+    # The second save writes half a file, then the process is SIGKILLed.
+    runs["save"] = dict(stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=tmp_path_factory.mktemp("save"),
+                        env=stage_env(SAVE_KILL_AT="2"))
+    # Two nodes without shared storage: node 0 has a snapshot, node 1 has none.
+    nodes = tmp_path_factory.mktemp("node0"), tmp_path_factory.mktemp("node1")
+    write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
+    runs["apart"] = dict(stage="multinode", args=[4, 1, "--batch_size", 32], cwd=nodes[0], node_cwds=nodes)
+    for stage, rank in (("multigpu_torchrun", 0), ("multinode", 1)):  # SIGKILL one worker in epoch 3 (test_stages.py)
+        cwd = tmp_path_factory.mktemp(f"elastic-{stage}")
+        runs[f"elastic-{stage}"] = dict(stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd,
+                                        env=stage_env(FAULT_AT=f"kill:{rank}:2", FAULT_ONCE=str(cwd / "killed")),
+                                        torchrun_args=("--max-restarts=1",))
+    cwd = tmp_path_factory.mktemp("images")
+    make_image_tree(cwd / "data")
+    runs["images"] = dict(stage="multigpu", args=[4, 4, "--data_dir", cwd / "data", "--batch_size", 8, "--lr", "3e-3"],
+                          cwd=cwd)
+    # Bad input, as a user sees it (test_errors.py).
+    runs["bad-argument"] = dict(stage="single_gpu", args=[0, 1], cwd=tmp_path_factory.mktemp("bad-argument"))
+    runs["no-torchrun"] = dict(stage="multinode", args=[2, 1], cwd=tmp_path_factory.mktemp("no-torchrun"),
+                               plain_python=True)
+    runs["bad-snapshot"] = dict(stage="multigpu", args=[2, 1], cwd=tmp_path_factory.mktemp("bad-snapshot"))
+    write_bad_snapshot(runs["bad-snapshot"]["cwd"] / "snapshot.pt", "payload")
+    return {name: (runs[name]["cwd"], run) for name, run in launch_all(runs).items()}
+
+
+@pytest.fixture(scope="session")
+def reference_runs(first_wave) -> dict:
+    """{stage: (folder, Run)} of the four reference runs."""
+    for stage in STAGES:
+        assert first_wave[f"reference-{stage}"][1].returncode == 0, first_wave[f"reference-{stage}"][1].output
+    return {stage: first_wave[f"reference-{stage}"] for stage in STAGES}
+
+
+@pytest.fixture(scope="session")
+def second_wave(reference_runs, first_wave, tmp_path_factory) -> dict:
+    """The runs that start from the first wave's snapshots, launched together: {name: (folder, Run)}."""
+    runs, cwds = {}, {}
+    for stage in ("single_gpu", "multigpu"):  # stopped after epoch 2, started again to epoch 4
+        cwds[f"resume-{stage}"] = cwd = tmp_path_factory.mktemp(f"resume-{stage}")
+        shutil.copyfile(reference_runs[stage][0] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
+        runs[f"resume-{stage}"] = dict(stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd)
+    cwds["cross"] = cwd = tmp_path_factory.mktemp("cross")  # a snapshot of multinode.py resumed by single_gpu.py
+    shutil.copyfile(reference_runs["multinode"][0] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
+    runs["cross"] = dict(stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=cwd)
+    cwds["save-resume"] = cwd = tmp_path_factory.mktemp("save-resume")  # after the crash while saving
+    shutil.copytree(first_wave["save"][0], cwd, dirs_exist_ok=True)
+    runs["save-resume"] = dict(stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=cwd)
+    return {name: (cwds[name], run) for name, run in launch_all(runs).items()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _slurm_in_background(request):
+    """Bring up the Slurm cluster and submit the batch files as the session starts, so the jobs share the machine
+    with the other tests instead of running after them. Only when a Slurm test was collected."""
+    if not any(item.nodeid.startswith("tests/test_slurm.py") for item in request.session.items):
+        yield None
+        return
+    import slurm_cluster
+    reason = slurm_cluster.missing_requirement()
+    if reason:
+        yield reason
+        return
+    root = Path(tempfile.mkdtemp(prefix="slurm-test-"))  # not under pytest's 0700 folder: munged wants o+x on the path
+    root.chmod(0o755)
+    pool = ThreadPoolExecutor(max_workers=1)
+    jobs = pool.submit(lambda: slurm_cluster.submit_all(slurm_cluster.start(root), root))
+    try:
+        yield jobs
+    finally:
+        jobs.exception()  # wait for the jobs, then stop the daemons even when a test failed
+        pool.shutdown()
+        slurm_cluster.stop(root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm_jobs(_slurm_in_background) -> dict:
+    """{stage: (folder, sbatch result, job log)}; skipped (a failure in CI) where Slurm or root is missing."""
+    if isinstance(_slurm_in_background, str):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the Slurm tests: {_slurm_in_background}")
+        pytest.skip(_slurm_in_background)
+    return _slurm_in_background.result()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI (CI=true) a skipped test is a failed one: nothing may silently not run."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("CI") == "true" and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI: {report.longrepr}"

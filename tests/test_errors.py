@@ -1,15 +1,12 @@
 """Bad input gets one clear line and a non-zero exit, never a traceback, and leaves an existing snapshot untouched."""
-import os
-import pickle
 import runpy
 import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, launch, stage_env
+from conftest import REPO, write_bad_snapshot
 
 
 def run_in_process(stage: str, args: list, monkeypatch) -> str:
@@ -81,29 +78,6 @@ def test_bad_data_dir(workdir, monkeypatch, case):
     assert "--data_dir" in run_in_process("single_gpu", ["2", "1", "--data_dir", workdir / "data"], monkeypatch)
 
 
-class Payload:
-    def __reduce__(self):
-        return os.system, (f"touch {os.getcwd()}/payload-ran",)
-
-
-def write_bad_snapshot(path, case):
-    from conftest import load  # noqa: F401  (keeps one import style)
-    if case == "garbage":
-        path.write_bytes(b"this is not a snapshot\n" * 10)
-    elif case == "empty":
-        path.write_bytes(b"")
-    elif case == "truncated":
-        model = torch.nn.Linear(2, 2)
-        torch.save({"model": model.state_dict()}, path)
-        path.write_bytes(path.read_bytes()[:200])
-    elif case == "other_model":
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 4, stride=4))
-        optimizer = torch.optim.AdamW(model.parameters())
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1}, path)
-    elif case == "payload":
-        torch.save({"model": {}, "optimizer": Payload(), "epoch": 1}, path)
-
-
 @pytest.mark.parametrize("case", ["garbage", "empty", "truncated", "other_model", "payload"])
 def test_bad_snapshot_is_refused_and_kept(workdir, monkeypatch, case):
     write_bad_snapshot(workdir / "snapshot.pt", case)
@@ -114,23 +88,18 @@ def test_bad_snapshot_is_refused_and_kept(workdir, monkeypatch, case):
     assert not (workdir / "payload-ran").exists() and not list(workdir.glob("*.tmp"))
 
 
-def test_one_line_on_stderr_as_a_user_sees_it(tmp_path):
-    for stage in ("single_gpu", "multigpu_torchrun"):
-        result = subprocess.run([sys.executable, str(REPO / f"{stage}.py"), "0", "1"], cwd=tmp_path, env=stage_env(),
-                                capture_output=True, text=True, timeout=60)
-        assert result.returncode != 0 and result.stdout == "", result
-        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: "), result.stderr
-    result = subprocess.run([sys.executable, str(REPO / "multinode.py"), "2", "1"], cwd=tmp_path, env=stage_env(),
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode != 0 and result.stderr.strip() == (
-        "error: start multinode.py with torchrun, as the first lines of the file show"), result.stderr
+def test_one_line_as_a_user_sees_it(first_wave):
+    run = first_wave["bad-argument"][1]
+    assert run.returncode != 0 and run.output.strip().startswith("error: argument total_epochs"), run.output
+    assert len(run.output.strip().splitlines()) == 1, run.output
+    run = first_wave["no-torchrun"][1]
+    assert run.returncode != 0 and run.output.strip() == (
+        "error: start multinode.py with torchrun, as the first lines of the file show"), run.output
 
 
-@pytest.mark.parametrize("stage, case", [("multigpu", "payload"), ("multigpu_torchrun", "truncated")])
-def test_distributed_stages_refuse_a_bad_snapshot(tmp_path, stage, case):
-    write_bad_snapshot(tmp_path / "snapshot.pt", case)
-    before = (tmp_path / "snapshot.pt").read_bytes()
-    run = launch(stage, [2, 1], tmp_path, timeout=60)
+def test_distributed_stage_refuses_a_bad_snapshot(first_wave):
+    """Every rank refuses the pickled payload (nothing runs), the job stops, the file stays as it was."""
+    cwd, run = first_wave["bad-snapshot"]
     assert run.returncode != 0 and "error: cannot resume from snapshot.pt" in run.output, run.output
-    assert "Traceback (most recent call last)" not in run.output, run.output
-    assert (tmp_path / "snapshot.pt").read_bytes() == before and not (tmp_path / "payload-ran").exists()
+    assert "Traceback" not in run.output, run.output
+    assert not (cwd / "payload-ran").exists() and not list(cwd.glob("*.tmp"))
