@@ -1,7 +1,11 @@
-"""multinode.py, stage 4 of 4: one torchrun per node; LOCAL_RANK picks the device, RANK the role in the whole job.
-Launch on each node: torchrun --nnodes=2 --nproc_per_node=gpu --rdzv-id=JOB --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 multinode.py 50 10
-Arguments: total_epochs save_every [flags, see --help]. Uses the GPU if there is one, else the CPU (CUDA_VISIBLE_DEVICES=
-forces the CPU), and resumes from --snapshot_path. Stages: single_gpu, multigpu, multigpu_torchrun, multinode; diff two."""
+"""Stage 4 of 4, multinode.py: one torchrun per node; LOCAL_RANK picks the device, RANK the role in the job.
+On every node (HOST: the first one; --snapshot_path on storage that every node shares; on CPUs: --nproc_per_node=2):
+torchrun --nnodes=2 --nproc_per_node=gpu --rdzv-id=JOB --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 multinode.py 50 10
+Restarts: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts=3 ...; each restart resumes from the snapshot.
+Every stage is a complete trainer (data, model, train loop, held-out eval, logging, snapshot/resume) and adds only
+distribution to the one before: single_gpu.py, multigpu.py, multigpu_torchrun.py, multinode.py (diff two neighbours).
+Arguments: total_epochs save_every [flags, see --help]. Uses the GPU(s) if present, else the CPU; CUDA_VISIBLE_DEVICES=
+in front of the command forces the CPU. Started again with the same --snapshot_path, a run resumes where it stopped."""
 import argparse
 import os
 import pickle
@@ -19,7 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 def setup(local_rank: int, global_rank: int, world_size: int, local_world_size: int) -> torch.device:
     """The one place that picks the hardware: CUDA when present, else the CPU."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))  # the processes on a machine share its cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))  # local processes share the cores
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # where pinned memory and the backend's buffers go
@@ -44,7 +48,7 @@ def load_datasets(data_dir: str | None, image_size: int) -> tuple[Dataset, Datas
         val = datasets.ImageFolder(os.path.join(data_dir, "val"), T.Compose(
             [T.Resize(image_size), T.CenterCrop(image_size)] + tensor))
     except OSError as e:  # no such folder, no class folders, no images
-        sys.exit(f"error: --data_dir {data_dir}: {e}; expected images in {data_dir}/train/CLASS/ and {data_dir}/val/CLASS/")
+        sys.exit(f"error: --data_dir {data_dir}: {e} (expected images in DIR/train/CLASS/ and DIR/val/CLASS/)")
     if train.classes != val.classes:
         sys.exit(f"error: --data_dir {data_dir}: train/ and val/ must hold the same class folders")
     return train, val, len(train.classes)
@@ -53,10 +57,10 @@ def load_datasets(data_dir: str | None, image_size: int) -> tuple[Dataset, Datas
 def build_model(arch: str, num_classes: int) -> nn.Module:
     """The default is a small CNN, smooth (GELU, average pooling), without BatchNorm or dropout: see README."""
     if arch == "convnet":
-        return nn.Sequential(
-            nn.Conv2d(3, 32, 4, stride=4), nn.GELU(),  # 4x4 patches: 32x32 -> 8x8
-            nn.Conv2d(32, 64, 3, padding=1), nn.GELU(), nn.AvgPool2d(2),
-            nn.Conv2d(64, 128, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes))
+        return nn.Sequential(  # 4x4 patches (32x32 -> 8x8), two 3x3 convolutions, global average, linear
+            nn.Conv2d(3, 32, 4, stride=4), nn.GELU(), nn.Conv2d(32, 64, 3, padding=1), nn.GELU(), nn.AvgPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(), nn.Linear(128, num_classes))
     from torchvision import models  # imported only when used: it adds ~2 s to each process's start
     if arch not in models.list_models(module=models):
         sys.exit(f"error: unknown --arch {arch}: use convnet or a torchvision classification model such as resnet18")
@@ -67,13 +71,13 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: DataLoader,
                  val_data: DataLoader, device: torch.device, args: argparse.Namespace) -> None:
         self.model, self.optimizer, self.train_data, self.val_data = model, optimizer, train_data, val_data
-        self.device, self.seed, self.save_every, self.snapshot_path = device, args.seed, args.save_every, args.snapshot_path
+        self.device, self.args, self.snapshot_path = device, args, args.snapshot_path
         self.global_rank = dist.get_rank()  # unique across all processes and nodes: rank 0 logs and writes snapshots
         self.epochs_run = self._load_snapshot()
         ends = torch.tensor([self.epochs_run, -self.epochs_run], device=device)
         dist.all_reduce(ends, op=dist.ReduceOp.MAX)  # the latest and (minus) the earliest epoch any rank resumes from
         if ends[0] != -ends[1]:  # every rank stops, so none trains from another starting point
-            sys.exit(f"error: ranks see different snapshots at {self.snapshot_path}: put it where every rank sees the same file")
+            sys.exit(f"error: ranks resume from different snapshots: put {self.snapshot_path} where every rank sees it")
         self.ddp_model = nn.parallel.DistributedDataParallel(model)  # averages gradients across ranks in backward()
 
     def _load_snapshot(self) -> int:
@@ -85,8 +89,8 @@ class Trainer:
             self.optimizer.load_state_dict(snapshot["optimizer"])
             return int(snapshot["epoch"])
         except Exception as e:  # garbage, truncated, another model, pickled objects: say which, keep the file as it is
-            reason = "not a snapshot of tensors and plain data" if isinstance(e, pickle.UnpicklingError) else e
-        sys.exit(f"error: cannot resume from {self.snapshot_path}: {' '.join(str(reason).split())[:300]} (move it away)")
+            reason = "not a snapshot of tensors and plain data" if isinstance(e, pickle.UnpicklingError) else str(e)
+        sys.exit(f"error: cannot resume from {self.snapshot_path}: {' '.join(reason.split())[:300]}; move it away")
 
     def _save_snapshot(self, epochs_run: int) -> None:
         snapshot = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "epoch": epochs_run}
@@ -98,7 +102,7 @@ class Trainer:
 
     def _run_epoch(self, epoch: int) -> torch.Tensor:
         """Train one epoch, then evaluate: returns [train loss sum, train samples, val correct, val samples]."""
-        torch.manual_seed(self.seed + 1000 * epoch + self.global_rank)  # (seed, epoch, rank) alone: resume is exact
+        torch.manual_seed(self.args.seed + 1000 * epoch + self.global_rank)  # depends on nothing else: resume is exact
         self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch
         stats = torch.tensor([0.0, len(self.train_data.sampler), 0.0, len(self.val_data.dataset)], device=self.device)
         self.model.train()
@@ -125,17 +129,17 @@ class Trainer:
             if self.global_rank == 0:
                 print(f"Epoch {epoch + 1} | loss {loss_sum / samples:.4f} | acc {correct / evaluated:.4f} | "
                       f"{samples / (time.perf_counter() - start):.0f} samples/s", flush=True)
-            if self.global_rank == 0 and ((epoch + 1) % self.save_every == 0 or epoch + 1 == total_epochs):
+            if self.global_rank == 0 and ((epoch + 1) % self.args.save_every == 0 or epoch + 1 == total_epochs):
                 self._save_snapshot(epoch + 1)
 
 
 def main(local_rank: int, args: argparse.Namespace) -> None:
     world_size = int(os.environ["WORLD_SIZE"])  # torchrun sets it, and LOCAL_RANK, RANK, MASTER_ADDR, MASTER_PORT
-    device = setup(local_rank, int(os.environ["RANK"]), world_size, int(os.environ["LOCAL_WORLD_SIZE"]))  # LOCAL_: this node
+    device = setup(local_rank, int(os.environ["RANK"]), world_size, int(os.environ["LOCAL_WORLD_SIZE"]))
     train_set, val_set, num_classes = load_datasets(args.data_dir, args.image_size)
     torch.manual_seed(args.seed)  # the same initial weights in every stage
     model = build_model(args.arch, num_classes).to(device)
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if device.type == "cuda" else model  # BatchNorm over all ranks
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if device.type == "cuda" else model  # stats over all ranks
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sampler = DistributedSampler(train_set, seed=args.seed)  # each rank takes its own share of every global batch
     val_set = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))  # no sample counted twice
@@ -152,20 +156,19 @@ if __name__ == "__main__":
         if not text.isdigit() or int(text) < 1:
             raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
         return int(text)
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage dump
-    parser.add_argument("total_epochs", type=positive_int, nargs="?", default=argparse.SUPPRESS, help="as --total_epochs")
-    parser.add_argument("save_every", type=positive_int, nargs="?", default=argparse.SUPPRESS, help="as --save_every")
+    parser.add_argument("total_epochs", type=positive_int, nargs="?", default=argparse.SUPPRESS, help="--total_epochs")
+    parser.add_argument("save_every", type=positive_int, nargs="?", default=argparse.SUPPRESS, help="--save_every")
     parser.add_argument("--total_epochs", type=positive_int, default=5, help="epochs to train in all (default 5)")
     parser.add_argument("--save_every", type=positive_int, default=5, help="snapshot every N epochs and at the end (5)")
     parser.add_argument("--batch_size", type=positive_int, default=32, help="samples per step in each process (32)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (1e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (0)")
-    parser.add_argument("--snapshot_path", default="snapshot.pt", help="snapshot to resume from and save to (snapshot.pt)")
+    parser.add_argument("--snapshot_path", default="snapshot.pt", help="resume from and save to (snapshot.pt)")
     parser.add_argument("--data_dir", help="ImageFolder tree with train/ and val/ (default: built-in synthetic data)")
     parser.add_argument("--image_size", type=positive_int, default=32, help="side of the images fed to the model (32)")
-    parser.add_argument("--arch", default="convnet", help="convnet, or a torchvision classification model: resnet18, ...")
+    parser.add_argument("--arch", default="convnet", help="convnet, or a torchvision model: resnet18...")
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
         sys.exit(f"error: start {os.path.basename(__file__)} with torchrun, as the first lines of the file show")

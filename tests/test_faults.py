@@ -25,6 +25,6 @@ def test_crash_while_saving_keeps_the_previous_snapshot(reference_runs, first_wa
 def test_ranks_that_see_different_snapshots_stop_together(first_wave):
     """Nobody trains from scratch while rank 0 resumes; the snapshot is left as it was."""
     cwd, run = first_wave["apart"]
-    assert run.returncode != 0 and "error: ranks see different snapshots at snapshot.pt" in run.output, run.output
+    assert run.returncode != 0 and "error: ranks resume from different snapshots: put snapshot.pt" in run.output, run.output
     assert "Epoch" not in run.output and not (cwd.parent / "node1" / "snapshot.pt").exists()
     assert load(cwd / "snapshot.pt")["epoch"] == 2
