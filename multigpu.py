@@ -1,4 +1,4 @@
-"""Stage 2 of 4, multigpu.py: one process per GPU (mp.spawn), process group, DDP. Launch: python multigpu.py 50 10
+"""Stage 2 of 4, multigpu.py: one process per GPU (spawn), process group, DDP. Launch: python multigpu.py 50 10
 Every stage is a complete trainer (data, model, train loop, held-out eval, logging, snapshot/resume) and adds only
 distribution to the one before: single_gpu.py, multigpu.py, multigpu_torchrun.py, multinode.py (diff two neighbours).
 Arguments: total_epochs save_every [flags, see --help]. Uses the GPU(s) if present, else the CPU; CUDA_VISIBLE_DEVICES=
@@ -31,10 +31,10 @@ def setup(local_rank: int, global_rank: int, world_size: int, local_world_size: 
 
 
 def load_datasets(data_dir: str | None, image_size: int) -> tuple[Dataset, Dataset, int]:
-    """(train, val, classes): by default 2048 + 512 noisy 3x32x32 images of 10 classes, else DIR/{train,val}/CLASS/*"""
+    """(train, val, classes): by default 2048 + 256 noisy 3x32x32 images of 10 classes, else DIR/{train,val}/CLASS/*"""
     if data_dir is None:  # a fixed seed: every process and every run builds the same data
         g = torch.Generator().manual_seed(1234)
-        labels = torch.randint(10, (2048 + 512,), generator=g)
+        labels = torch.randint(10, (2048 + 256,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32, mode="bilinear")  # one per class
         data = TensorDataset(prototypes[labels] + 3 * torch.randn(len(labels), 3, 32, 32, generator=g), labels)
         return Subset(data, range(2048)), Subset(data, range(2048, len(data))), 10

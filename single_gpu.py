@@ -25,10 +25,10 @@ def setup(local_rank: int) -> torch.device:
 
 
 def load_datasets(data_dir: str | None, image_size: int) -> tuple[Dataset, Dataset, int]:
-    """(train, val, classes): by default 2048 + 512 noisy 3x32x32 images of 10 classes, else DIR/{train,val}/CLASS/*"""
+    """(train, val, classes): by default 2048 + 256 noisy 3x32x32 images of 10 classes, else DIR/{train,val}/CLASS/*"""
     if data_dir is None:  # a fixed seed: every process and every run builds the same data
         g = torch.Generator().manual_seed(1234)
-        labels = torch.randint(10, (2048 + 512,), generator=g)
+        labels = torch.randint(10, (2048 + 256,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32, mode="bilinear")  # one per class
         data = TensorDataset(prototypes[labels] + 3 * torch.randn(len(labels), 3, 32, 32, generator=g), labels)
         return Subset(data, range(2048)), Subset(data, range(2048, len(data))), 10

@@ -104,10 +104,14 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("error: --device cuda, but no GPU is visible")
     world = opts.world_size or (torch.cuda.device_count() if opts.device == "cuda" else 2)
-    stages = opts.stages.split(",")
-    rates = {stage: statistics.median(run_stage(stage, world, opts, env) for _ in range(opts.repeats)) for stage in stages}
-    device = torch.device("cuda" if opts.device == "cuda" else "cpu")
-    bare = statistics.median(bare_loop(opts, device) for _ in range(opts.repeats))
+    stages, device = opts.stages.split(","), torch.device("cuda" if opts.device == "cuda" else "cpu")
+    runs = {stage: [] for stage in stages + ["bare loop"]}
+    for _ in range(opts.repeats):  # round after round, so that a slow spell of the machine hits every stage alike
+        for stage in stages:
+            runs[stage].append(run_stage(stage, world, opts, env))
+        runs["bare loop"].append(bare_loop(opts, device))
+    rates = {stage: statistics.median(values) for stage, values in runs.items()}
+    bare = rates.pop("bare loop")
     name = torch.cuda.get_device_name() if opts.device == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(f"{name}; torch {torch.__version__}; --arch {opts.arch}; global batch {opts.batch}; "
           f"median of {opts.repeats} runs, epochs 2-{opts.epochs}")

@@ -50,7 +50,7 @@ def test_ranks_see_disjoint_shards(reference_runs):
         assert not set(shards[0]) & set(shards[1]) and len(shards[0]) == len(shards[1])
         assert sorted(shards[0] + shards[1]) == list(range(2048))
     val = [json.loads((record / f"val-rank{r}.json").read_text()) for r in range(2)]
-    assert not set(val[0]) & set(val[1]) and sorted(val[0] + val[1]) == list(range(512))
+    assert not set(val[0]) & set(val[1]) and sorted(val[0] + val[1]) == list(range(256))
     single = json.loads((reference_runs["single_gpu"][0] / "record" / "train-rank0-epoch1.json").read_text())
     assert [single[i] for i in range(0, 64, 2)] == json.loads((record / "train-rank0-epoch1.json").read_text())[:32]
 
