@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6, help="epochs per run; the first is left out (default 6)")
     parser.add_argument("--batch", type=int, default=64, help="global batch, split over the processes (default 64)")
     parser.add_argument("--arch", default="convnet", help="model, as the stages' --arch (default convnet)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each stage; the table shows medians (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each stage; the table shows medians (default 5)")
     parser.add_argument("--stages", default="single_gpu,multigpu,multigpu_torchrun,multinode", help="comma-separated")
     opts = parser.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
