@@ -1,4 +1,5 @@
 """Shared helpers: launch a stage exactly as a user would (on CPU + gloo), read its log and its snapshots."""
+import functools
 import importlib.util
 import os
 import re
@@ -150,12 +151,18 @@ def write_bad_snapshot(path: Path, case: str) -> None:
         torch.save({"model": {}, "optimizer": Payload(path.parent / "payload-ran"), "epoch": 1}, path)
 
 
-def write_snapshot(path: Path, epoch: int) -> None:
-    """A valid snapshot of the default model, as the stages write it."""
+@functools.cache
+def single_gpu():
+    """single_gpu.py as a module, for its build_model() and load_datasets()."""
     spec = importlib.util.spec_from_file_location("single_gpu", REPO / "single_gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    model = module.build_model("convnet", 10)
+    return module
+
+
+def write_snapshot(path: Path, epoch: int) -> None:
+    """A valid snapshot of the default model, as the stages write it."""
+    model = single_gpu().build_model("convnet", 10)
     optimizer = torch.optim.AdamW(model.parameters())
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, path)
 

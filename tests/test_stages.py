@@ -1,11 +1,10 @@
 """Every stage trains for real, computes the same model, and resumes exactly (CPU + gloo)."""
-import importlib.util
 import json
 
 import pytest
 import torch
 
-from conftest import REPO, STAGES, assert_bitwise_equal, load, max_param_diff
+from conftest import STAGES, assert_bitwise_equal, load, max_param_diff, single_gpu
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -33,13 +32,10 @@ def test_same_model_at_every_scale(reference_runs):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_snapshot_is_plain_and_loads_safely(reference_runs, stage):
-    spec = importlib.util.spec_from_file_location("single_gpu", REPO / "single_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     snapshot = torch.load(reference_runs[stage][0] / "snapshot.pt", weights_only=True)
     assert snapshot["epoch"] == 4 and {"model", "optimizer", "epoch"} <= snapshot.keys()
     assert not any(k.startswith("module.") for k in snapshot["model"])
-    module.build_model("convnet", 10).load_state_dict(snapshot["model"])  # strict: every key, every shape
+    single_gpu().build_model("convnet", 10).load_state_dict(snapshot["model"])  # strict: every key, every shape
     assert not list(reference_runs[stage][0].glob("*.tmp"))
 
 
@@ -86,3 +82,8 @@ def test_trains_on_an_image_folder(first_wave):
     assert run.returncode == 0, run.output
     epochs = run.epochs()
     assert len(epochs) == 4 and epochs[-1][1] < epochs[0][1] and epochs[-1][2] >= 0.9, run.output
+
+
+def test_arch_takes_a_torchvision_model():
+    model = single_gpu().build_model("resnet18", 4)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 4)
