@@ -232,18 +232,18 @@ def reference_runs(first_wave) -> dict:
 @pytest.fixture(scope="session")
 def second_wave(reference_runs, first_wave, tmp_path_factory) -> dict:
     """The runs that start from the first wave's snapshots, launched together: {name: (folder, Run)}."""
-    runs, cwds = {}, {}
+    runs = {}
     for stage in ("single_gpu", "multigpu"):  # stopped after epoch 2, started again to epoch 4
-        cwds[f"resume-{stage}"] = cwd = tmp_path_factory.mktemp(f"resume-{stage}")
+        cwd = tmp_path_factory.mktemp(f"resume-{stage}")
         shutil.copyfile(reference_runs[stage][0] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
         runs[f"resume-{stage}"] = dict(stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd)
-    cwds["cross"] = cwd = tmp_path_factory.mktemp("cross")  # a snapshot of multinode.py resumed by single_gpu.py
+    cwd = tmp_path_factory.mktemp("cross")  # a snapshot of multinode.py resumed by single_gpu.py
     shutil.copyfile(reference_runs["multinode"][0] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
     runs["cross"] = dict(stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=cwd)
-    cwds["save-resume"] = cwd = tmp_path_factory.mktemp("save-resume")  # after the crash while saving
+    cwd = tmp_path_factory.mktemp("save-resume")  # after the crash while saving
     shutil.copytree(first_wave["save"][0], cwd, dirs_exist_ok=True)
     runs["save-resume"] = dict(stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=cwd)
-    return {name: (cwds[name], run) for name, run in launch_all(runs).items()}
+    return {name: (runs[name]["cwd"], run) for name, run in launch_all(runs).items()}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -259,7 +259,6 @@ def _slurm_in_background(request):
         yield reason
         return
     root = Path(tempfile.mkdtemp(prefix="slurm-test-"))  # not under pytest's 0700 folder: munged wants o+x on the path
-    root.chmod(0o755)
     pool = ThreadPoolExecutor(max_workers=1)
     jobs = pool.submit(lambda: slurm_cluster.submit_all(slurm_cluster.start(root), root))
     try:

@@ -14,14 +14,14 @@ from pathlib import Path
 
 from conftest import REPO, STAGES, free_port, stage_env
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel", "unshare")
+COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel", "unshare")
 NODES = 2
 
 
 def missing_requirement() -> str:
     if os.geteuid() != 0:
         return "the Slurm tests need root (they start munged, slurmctld and two slurmd)"
-    missing = [d for d in DAEMONS if shutil.which(d) is None]
+    missing = [d for d in COMMANDS if shutil.which(d) is None]
     if missing:
         return f"missing {', '.join(missing)}: apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge"
     return ""
