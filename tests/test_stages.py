@@ -41,12 +41,13 @@ def test_snapshot_is_plain_and_loads_safely(reference_runs, stage):
 
 def test_ranks_see_disjoint_shards(reference_runs):
     record = reference_runs["multigpu"][0] / "record"
+    train_set, val_set, _ = single_gpu().load_datasets(None, 32)
     for epoch in range(4):
         shards = [json.loads((record / f"train-rank{r}-epoch{epoch}.json").read_text()) for r in range(2)]
         assert not set(shards[0]) & set(shards[1]) and len(shards[0]) == len(shards[1])
-        assert sorted(shards[0] + shards[1]) == list(range(2048))
+        assert sorted(shards[0] + shards[1]) == list(range(len(train_set)))
     val = [json.loads((record / f"val-rank{r}.json").read_text()) for r in range(2)]
-    assert not set(val[0]) & set(val[1]) and sorted(val[0] + val[1]) == list(range(256))
+    assert not set(val[0]) & set(val[1]) and sorted(val[0] + val[1]) == list(range(len(val_set)))
     single = json.loads((reference_runs["single_gpu"][0] / "record" / "train-rank0-epoch1.json").read_text())
     assert [single[i] for i in range(0, 64, 2)] == json.loads((record / "train-rank0-epoch1.json").read_text())[:32]
 
