@@ -84,12 +84,25 @@ def launch(stage: str, args: list, cwd: Path, env: dict | None = None, timeout: 
     return Run(code, "\n".join(outputs), time.time())
 
 
-def launch_all(runs: dict) -> dict:
-    """Several launches at once, {name: launch's keyword arguments}: each run alone leaves a core idle much of the time
-    (imports, rendezvous), and the results do not depend on the load (the arithmetic is deterministic)."""
-    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-        futures = {name: pool.submit(launch, **kwargs) for name, kwargs in runs.items()}
-        return {name: future.result() for name, future in futures.items()}
+class Runs:
+    """Launches that run side by side, each in a thread: each run alone leaves a core idle much of the time (imports,
+    rendezvous), and the results do not depend on the load (the arithmetic is deterministic). A run that starts from
+    another's files starts as soon as that one ends. runs[name] waits for the run: (folder, Run)."""
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=64)  # a thread per run; most of them wait for a process
+        self.futures = {}
+
+    def start(self, name: str, after: str | None = None, prepare=None, **launch_args) -> None:
+        def run() -> tuple:
+            if after:
+                self[after]  # wait for it
+            if prepare:
+                prepare()
+            return launch_args["cwd"], launch(**launch_args)
+        self.futures[name] = self.pool.submit(run)
+
+    def __getitem__(self, name: str) -> tuple:
+        return self.futures[name].result()
 
 
 def global_batch_args(stage: str) -> list:
@@ -181,69 +194,63 @@ def make_image_tree(root, classes=4, train=24, val=8, size=24):
 
 
 @pytest.fixture(scope="session")
-def first_wave(tmp_path_factory) -> dict:
-    """Every run that needs no other run's result, launched together: {name: (folder, Run)}.
+def runs(tmp_path_factory):
+    """Every launch of the session, started together: {name: (folder, Run)} (see Runs).
 
     reference-STAGE: each stage trains 4 epochs at global batch 64, seed 0, keeping its snapshot after every epoch
     (shared by the learning, same-model, resume, elastic and shard tests, so each stage starts here only once).
-    The others inject faults (test_faults.py)."""
-    runs = {}
+    Other runs inject faults (test_faults.py), give bad input (test_errors.py), or start from a reference's files."""
+    runs, references = Runs(), {}
+    folder = tmp_path_factory.mktemp
     for stage in STAGES:
-        cwd = tmp_path_factory.mktemp(stage)
+        cwd = references[stage] = folder(stage)
         (cwd / "record").mkdir()
-        runs[f"reference-{stage}"] = dict(stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd, env=stage_env(
+        runs.start(f"reference-{stage}", stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd, env=stage_env(
             KEEP_SNAPSHOTS="1", RECORD_DIR=str(cwd / "record")))
     for name, (stage, fault, _) in DEAD_RANKS.items():  # FAULT_ONCE's file tells when the rank died
-        cwd = tmp_path_factory.mktemp(name)
-        runs[name] = dict(stage=stage, args=[2, 1], cwd=cwd, env=stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died")))
-    # The second save writes half a file, then the process is SIGKILLed.
-    runs["save"] = dict(stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=tmp_path_factory.mktemp("save"),
-                        env=stage_env(SAVE_KILL_AT="2"))
+        cwd = folder(name)
+        runs.start(name, stage=stage, args=[2, 1], cwd=cwd, env=stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died")))
+    # The second save writes half a file, then the process is SIGKILLed; then the same folder, copied, starts again.
+    save, save_resume = folder("save"), folder("save-resume")
+    runs.start("save", stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=save, env=stage_env(SAVE_KILL_AT="2"))
+    runs.start("save-resume", after="save", prepare=lambda: shutil.copytree(save, save_resume, dirs_exist_ok=True),
+               stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=save_resume)
     # Two nodes without shared storage: node 0 has a snapshot, node 1 has none.
-    nodes = tmp_path_factory.mktemp("node0"), tmp_path_factory.mktemp("node1")
+    nodes = folder("node0"), folder("node1")
     write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
-    runs["apart"] = dict(stage="multinode", args=[4, 1, "--batch_size", 32], cwd=nodes[0], node_cwds=nodes)
+    runs.start("apart", stage="multinode", args=[4, 1, "--batch_size", 32], cwd=nodes[0], node_cwds=nodes)
     for stage, rank in (("multigpu_torchrun", 0), ("multinode", 1)):  # SIGKILL one worker in epoch 3 (test_stages.py)
-        cwd = tmp_path_factory.mktemp(f"elastic-{stage}")
-        runs[f"elastic-{stage}"] = dict(stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd,
-                                        env=stage_env(FAULT_AT=f"kill:{rank}:2", FAULT_ONCE=str(cwd / "killed")),
-                                        torchrun_args=("--max-restarts=1",))
-    cwd = tmp_path_factory.mktemp("images")
+        cwd = folder(f"elastic-{stage}")
+        runs.start(f"elastic-{stage}", stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd,
+                   env=stage_env(FAULT_AT=f"kill:{rank}:2", FAULT_ONCE=str(cwd / "killed")),
+                   torchrun_args=("--max-restarts=1",))
+    # Stopped after epoch 2 and started again to epoch 4; "cross": a snapshot of multinode.py resumed by single_gpu.py.
+    for name, stage, source in (("resume-single_gpu", "single_gpu", "single_gpu"),
+                                ("resume-multigpu", "multigpu", "multigpu"), ("cross", "single_gpu", "multinode")):
+        cwd = folder(name)
+        copy = functools.partial(shutil.copyfile, references[source] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
+        runs.start(name, after=f"reference-{source}", prepare=copy, stage=stage, args=[4, 1, *global_batch_args(stage)],
+                   cwd=cwd)
+    cwd = folder("images")
     make_image_tree(cwd / "data")
-    runs["images"] = dict(stage="multigpu", args=[4, 4, "--data_dir", cwd / "data", "--batch_size", 8, "--lr", "3e-3"],
-                          cwd=cwd)
+    runs.start("images", stage="multigpu", args=[4, 4, "--data_dir", cwd / "data", "--batch_size", 8, "--lr", "3e-3"],
+               cwd=cwd)
     # Bad input, as a user sees it (test_errors.py).
-    runs["bad-argument"] = dict(stage="single_gpu", args=[0, 1], cwd=tmp_path_factory.mktemp("bad-argument"))
-    runs["no-torchrun"] = dict(stage="multinode", args=[2, 1], cwd=tmp_path_factory.mktemp("no-torchrun"),
-                               plain_python=True)
-    runs["bad-snapshot"] = dict(stage="multigpu", args=[2, 1], cwd=tmp_path_factory.mktemp("bad-snapshot"))
-    write_bad_snapshot(runs["bad-snapshot"]["cwd"] / "snapshot.pt", "payload")
-    return {name: (runs[name]["cwd"], run) for name, run in launch_all(runs).items()}
+    runs.start("bad-argument", stage="single_gpu", args=[0, 1], cwd=folder("bad-argument"))
+    runs.start("no-torchrun", stage="multinode", args=[2, 1], cwd=folder("no-torchrun"), plain_python=True)
+    cwd = folder("bad-snapshot")
+    write_bad_snapshot(cwd / "snapshot.pt", "payload")
+    runs.start("bad-snapshot", stage="multigpu", args=[2, 1], cwd=cwd)
+    yield runs
+    runs.pool.shutdown()
 
 
 @pytest.fixture(scope="session")
-def reference_runs(first_wave) -> dict:
+def reference_runs(runs) -> dict:
     """{stage: (folder, Run)} of the four reference runs."""
     for stage in STAGES:
-        assert first_wave[f"reference-{stage}"][1].returncode == 0, first_wave[f"reference-{stage}"][1].output
-    return {stage: first_wave[f"reference-{stage}"] for stage in STAGES}
-
-
-@pytest.fixture(scope="session")
-def second_wave(reference_runs, first_wave, tmp_path_factory) -> dict:
-    """The runs that start from the first wave's snapshots, launched together: {name: (folder, Run)}."""
-    runs = {}
-    for stage in ("single_gpu", "multigpu"):  # stopped after epoch 2, started again to epoch 4
-        cwd = tmp_path_factory.mktemp(f"resume-{stage}")
-        shutil.copyfile(reference_runs[stage][0] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
-        runs[f"resume-{stage}"] = dict(stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd)
-    cwd = tmp_path_factory.mktemp("cross")  # a snapshot of multinode.py resumed by single_gpu.py
-    shutil.copyfile(reference_runs["multinode"][0] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
-    runs["cross"] = dict(stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=cwd)
-    cwd = tmp_path_factory.mktemp("save-resume")  # after the crash while saving
-    shutil.copytree(first_wave["save"][0], cwd, dirs_exist_ok=True)
-    runs["save-resume"] = dict(stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=cwd)
-    return {name: (runs[name]["cwd"], run) for name, run in launch_all(runs).items()}
+        assert runs[f"reference-{stage}"][1].returncode == 0, runs[f"reference-{stage}"][1].output
+    return {stage: runs[f"reference-{stage}"] for stage in STAGES}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -88,18 +88,18 @@ def test_bad_snapshot_is_refused_and_kept(workdir, monkeypatch, case):
     assert not (workdir / "payload-ran").exists() and not list(workdir.glob("*.tmp"))
 
 
-def test_one_line_as_a_user_sees_it(first_wave):
-    run = first_wave["bad-argument"][1]
+def test_one_line_as_a_user_sees_it(runs):
+    run = runs["bad-argument"][1]
     assert run.returncode != 0 and run.output.strip().startswith("error: argument total_epochs"), run.output
     assert len(run.output.strip().splitlines()) == 1, run.output
-    run = first_wave["no-torchrun"][1]
+    run = runs["no-torchrun"][1]
     assert run.returncode != 0 and run.output.strip() == (
         "error: start multinode.py with torchrun, as the first lines of the file show"), run.output
 
 
-def test_distributed_stage_refuses_a_bad_snapshot(first_wave):
+def test_distributed_stage_refuses_a_bad_snapshot(runs):
     """Every rank refuses the pickled payload (nothing runs), the job stops, the file stays as it was."""
-    cwd, run = first_wave["bad-snapshot"]
+    cwd, run = runs["bad-snapshot"]
     assert run.returncode != 0 and "error: cannot resume from snapshot.pt" in run.output, run.output
     assert "Traceback" not in run.output, run.output
     assert not (cwd / "payload-ran").exists() and not list(cwd.glob("*.tmp"))

@@ -53,33 +53,33 @@ def test_ranks_see_disjoint_shards(reference_runs):
 
 
 @pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
-def test_resume_is_exact(reference_runs, second_wave, stage):
+def test_resume_is_exact(reference_runs, runs, stage):
     """Stopped after epoch 2 and started again to epoch 4: bit for bit the uninterrupted run."""
-    cwd, run = second_wave[f"resume-{stage}"]
+    cwd, run = runs[f"resume-{stage}"]
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [3, 4], run.output
     assert_bitwise_equal(load(cwd / "snapshot.pt"), load(reference_runs[stage][0] / "snapshot.pt.epoch4"))
 
 
 @pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
-def test_elastic_restart_resumes_exactly(reference_runs, first_wave, stage):
+def test_elastic_restart_resumes_exactly(reference_runs, runs, stage):
     """A worker (rank 0, the writer, or rank 1 on the other node) is SIGKILLed in epoch 3: torchrun restarts the
     workers, they resume from the epoch-2 snapshot, and the job ends with the uninterrupted run's model."""
-    cwd, run = first_wave[f"elastic-{stage}"]
+    cwd, run = runs[f"elastic-{stage}"]
     assert run.returncode == 0, run.output
     assert (cwd / "killed").exists(), "the fault was never injected"
     assert [e[0] for e in run.epochs()] == [1, 2, 3, 4], run.output  # epoch 3 logged once: the restart resumed
     assert_bitwise_equal(load(cwd / "snapshot.pt"), load(reference_runs[stage][0] / "snapshot.pt.epoch4"))
 
 
-def test_snapshot_resumes_in_another_stage(reference_runs, second_wave):
-    cwd, run = second_wave["cross"]
+def test_snapshot_resumes_in_another_stage(reference_runs, runs):
+    cwd, run = runs["cross"]
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [3, 4], run.output
     reference = load(reference_runs["single_gpu"][0] / "snapshot.pt.epoch4")
     assert max_param_diff(load(cwd / "snapshot.pt"), reference) <= 1e-4
 
 
-def test_trains_on_an_image_folder(first_wave):
-    cwd, run = first_wave["images"]
+def test_trains_on_an_image_folder(runs):
+    cwd, run = runs["images"]
     assert run.returncode == 0, run.output
     epochs = run.epochs()
     assert len(epochs) == 4 and epochs[-1][1] < epochs[0][1] and epochs[-1][2] >= 0.9, run.output
