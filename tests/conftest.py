@@ -1,4 +1,5 @@
 """Shared helpers: launch a stage exactly as a user would (on CPU + gloo), read its log and its snapshots."""
+import contextlib
 import functools
 import importlib.util
 import os
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,20 +87,25 @@ def launch(stage: str, args: list, cwd: Path, env: dict | None = None, timeout: 
 
 
 class Runs:
-    """Launches that run side by side, each in a thread: each run alone leaves a core idle much of the time (imports,
-    rendezvous), and the results do not depend on the load (the arithmetic is deterministic). A run that starts from
-    another's files starts as soon as that one ends. runs[name] waits for the run: (folder, Run)."""
+    """Launches that run side by side: each run alone leaves a core idle much of the time (imports, rendezvous), and
+    the results do not depend on the load (the arithmetic is deterministic). At most 3 per core at once, in the order
+    started: more only make the runs thrash the cores. A run that starts from another's files starts as soon as that
+    one ends, ahead of the queue. runs[name] waits for the run: (folder, Run)."""
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=64)  # a thread per run; most of them wait for a process
+        self.slots = threading.Semaphore(3 * (os.cpu_count() or 1))
         self.futures = {}
 
     def start(self, name: str, after: str | None = None, prepare=None, **launch_args) -> None:
+        assert after is None or after in self.futures, f"start {after} before {name}"
+
         def run() -> tuple:
             if after:
                 self[after]  # wait for it
             if prepare:
                 prepare()
-            return launch_args["cwd"], launch(**launch_args)
+            with self.slots if after is None else contextlib.nullcontext():  # the longest paths go first
+                return launch_args["cwd"], launch(**launch_args)
         self.futures[name] = self.pool.submit(run)
 
     def __getitem__(self, name: str) -> tuple:
@@ -207,36 +214,34 @@ def runs(tmp_path_factory):
         (cwd / "record").mkdir()
         runs.start(f"reference-{stage}", stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd, env=stage_env(
             KEEP_SNAPSHOTS="1", RECORD_DIR=str(cwd / "record")))
-    for name, (stage, fault, _) in DEAD_RANKS.items():  # FAULT_ONCE's file tells when the rank died
+    # Stopped after epoch 2 and started again to epoch 4; "cross": a snapshot of multinode.py resumed by single_gpu.py.
+    for name, stage, source in (("resume-multigpu", "multigpu", "multigpu"), ("cross", "single_gpu", "multinode")):
         cwd = folder(name)
-        runs.start(name, stage=stage, args=[2, 1], cwd=cwd, env=stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died")))
-    # The second save writes half a file, then the process is SIGKILLed; then the same folder, copied, starts again.
-    save, save_resume = folder("save"), folder("save-resume")
-    runs.start("save", stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=save, env=stage_env(SAVE_KILL_AT="2"))
-    runs.start("save-resume", after="save", prepare=lambda: shutil.copytree(save, save_resume, dirs_exist_ok=True),
-               stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=save_resume)
-    # Two nodes without shared storage: node 0 has a snapshot, node 1 has none.
-    nodes = folder("node0"), folder("node1")
-    write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
-    runs.start("apart", stage="multinode", args=[4, 1, "--batch_size", 32], cwd=nodes[0], node_cwds=nodes)
+        copy = functools.partial(shutil.copyfile, references[source] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
+        runs.start(name, after=f"reference-{source}", prepare=copy, stage=stage, args=[4, 1, *global_batch_args(stage)],
+                   cwd=cwd)
     for stage, rank in (("multigpu_torchrun", 0), ("multinode", 1)):  # SIGKILL one worker in epoch 3 (test_stages.py)
         cwd = folder(f"elastic-{stage}")
         runs.start(f"elastic-{stage}", stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd,
                    env=stage_env(FAULT_AT=f"kill:{rank}:2", FAULT_ONCE=str(cwd / "killed")),
                    torchrun_args=("--max-restarts=1",))
-    # Stopped after epoch 2 and started again to epoch 4; "cross": a snapshot of multinode.py resumed by single_gpu.py.
-    for name, stage, source in (("resume-single_gpu", "single_gpu", "single_gpu"),
-                                ("resume-multigpu", "multigpu", "multigpu"), ("cross", "single_gpu", "multinode")):
+    # The second save writes half a file, then the process is SIGKILLed; then the same folder, copied, starts again.
+    save, save_resume = folder("save"), folder("save-resume")
+    runs.start("save", stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=save, env=stage_env(SAVE_KILL_AT="2"))
+    runs.start("save-resume", after="save", prepare=lambda: shutil.copytree(save, save_resume, dirs_exist_ok=True),
+               stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=save_resume)
+    for name, (stage, fault, _) in DEAD_RANKS.items():  # FAULT_ONCE's file tells when the rank died
         cwd = folder(name)
-        copy = functools.partial(shutil.copyfile, references[source] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
-        runs.start(name, after=f"reference-{source}", prepare=copy, stage=stage, args=[4, 1, *global_batch_args(stage)],
-                   cwd=cwd)
+        runs.start(name, stage=stage, args=[2, 1], cwd=cwd, env=stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died")))
+    # Two nodes without shared storage: node 0 has a snapshot, node 1 has none.
+    nodes = folder("node0"), folder("node1")
+    write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
+    runs.start("apart", stage="multinode", args=[4, 1, "--batch_size", 32], cwd=nodes[0], node_cwds=nodes)
     cwd = folder("images")
     make_image_tree(cwd / "data")
     runs.start("images", stage="multigpu", args=[4, 4, "--data_dir", cwd / "data", "--batch_size", 8, "--lr", "3e-3"],
                cwd=cwd)
     # Bad input, as a user sees it (test_errors.py).
-    runs.start("bad-argument", stage="single_gpu", args=[0, 1], cwd=folder("bad-argument"))
     runs.start("no-torchrun", stage="multinode", args=[2, 1], cwd=folder("no-torchrun"), plain_python=True)
     cwd = folder("bad-snapshot")
     write_bad_snapshot(cwd / "snapshot.pt", "payload")
