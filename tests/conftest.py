@@ -20,6 +20,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STAGES = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
+EPOCHS = 3  # of every reference run, and of the runs compared with them
 EPOCH_LINE = re.compile(r"^Epoch (\d+) \| loss ([\d.]+) \| acc ([\d.]+) \| (\d+) samples/s$", re.M)
 
 
@@ -204,7 +205,7 @@ def make_image_tree(root, classes=4, train=24, val=8, size=24):
 def runs(tmp_path_factory):
     """Every launch of the session, started together: {name: (folder, Run)} (see Runs).
 
-    reference-STAGE: each stage trains 4 epochs at global batch 64, seed 0, keeping its snapshot after every epoch
+    reference-STAGE: each stage trains EPOCHS epochs at global batch 64, seed 0, keeping its snapshot after every epoch
     (shared by the learning, same-model, resume, elastic and shard tests, so each stage starts here only once).
     Other runs inject faults (test_faults.py), give bad input (test_errors.py), or start from a reference's files."""
     runs, references = Runs(), {}
@@ -212,24 +213,25 @@ def runs(tmp_path_factory):
     for stage in STAGES:
         cwd = references[stage] = folder(stage)
         (cwd / "record").mkdir()
-        runs.start(f"reference-{stage}", stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd, env=stage_env(
-            KEEP_SNAPSHOTS="1", RECORD_DIR=str(cwd / "record")))
-    # Stopped after epoch 2 and started again to epoch 4; "cross": a snapshot of multinode.py resumed by single_gpu.py.
+        runs.start(f"reference-{stage}", stage=stage, args=[EPOCHS, 1, *global_batch_args(stage)], cwd=cwd,
+                   env=stage_env(KEEP_SNAPSHOTS="1", RECORD_DIR=str(cwd / "record")))
+    # Stopped after epoch 2 and started again to the end; "cross": a snapshot of multinode.py resumed by single_gpu.py.
     for name, stage, source in (("resume-multigpu", "multigpu", "multigpu"), ("cross", "single_gpu", "multinode")):
         cwd = folder(name)
         copy = functools.partial(shutil.copyfile, references[source] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
-        runs.start(name, after=f"reference-{source}", prepare=copy, stage=stage, args=[4, 1, *global_batch_args(stage)],
-                   cwd=cwd)
-    for stage, rank in (("multigpu_torchrun", 0), ("multinode", 1)):  # SIGKILL one worker in epoch 3 (test_stages.py)
+        runs.start(name, after=f"reference-{source}", prepare=copy, stage=stage,
+                   args=[EPOCHS, 1, *global_batch_args(stage)], cwd=cwd)
+    for stage, rank in (("multigpu_torchrun", 0), ("multinode", 1)):  # SIGKILL a worker in epoch 3 (test_stages.py)
         cwd = folder(f"elastic-{stage}")
-        runs.start(f"elastic-{stage}", stage=stage, args=[4, 1, *global_batch_args(stage)], cwd=cwd,
+        runs.start(f"elastic-{stage}", stage=stage, args=[EPOCHS, 1, *global_batch_args(stage)], cwd=cwd,
                    env=stage_env(FAULT_AT=f"kill:{rank}:2", FAULT_ONCE=str(cwd / "killed")),
                    torchrun_args=("--max-restarts=1",))
     # The second save writes half a file, then the process is SIGKILLed; then the same folder, copied, starts again.
     save, save_resume = folder("save"), folder("save-resume")
-    runs.start("save", stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=save, env=stage_env(SAVE_KILL_AT="2"))
+    runs.start("save", stage="single_gpu", args=[EPOCHS, 1, "--batch_size", 64], cwd=save,
+               env=stage_env(SAVE_KILL_AT="2"))
     runs.start("save-resume", after="save", prepare=lambda: shutil.copytree(save, save_resume, dirs_exist_ok=True),
-               stage="single_gpu", args=[4, 1, "--batch_size", 64], cwd=save_resume)
+               stage="single_gpu", args=[EPOCHS, 1, "--batch_size", 64], cwd=save_resume)
     for name, (stage, fault, _) in DEAD_RANKS.items():  # FAULT_ONCE's file tells when the rank died
         cwd = folder(name)
         runs.start(name, stage=stage, args=[2, 1], cwd=cwd, env=stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died")))

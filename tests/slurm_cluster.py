@@ -137,7 +137,7 @@ def stop(root: Path) -> None:
 
 def submit_all(env: dict, root: Path) -> dict:
     """Each batch file, unmodified, from its own copy of the repository, all at once, as a user with the project's
-    environment active: sbatch --wait --gpus-per-node=0 slurm/STAGE.sh 2 1. {stage: (folder, result, job log)}.
+    environment active: sbatch --wait --gpus-per-node=0 slurm/STAGE.sh 1 1. {stage: (folder, result, job log)}.
     multinode.sh starts one process per node (CPU_PROCS=1): two nodes are enough to span, and the machine is busy."""
     env = dict(stage_env(SLURM_CONF=env["SLURM_CONF"]), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     env.pop("PYTHONPATH")  # no test hooks
@@ -147,7 +147,7 @@ def submit_all(env: dict, root: Path) -> dict:
         cwd.mkdir()
         for name in [f"{s}.py" for s in STAGES] + ["slurm"]:
             (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, cwd / name)
-        result = subprocess.run(["sbatch", "--wait", "--gpus-per-node=0", f"slurm/{stage}.sh", "2", "1"], cwd=cwd,
+        result = subprocess.run(["sbatch", "--wait", "--gpus-per-node=0", f"slurm/{stage}.sh", "1", "1"], cwd=cwd,
                                 env=dict(env, CPU_PROCS="1" if stage == "multinode" else "2"), capture_output=True,
                                 text=True, timeout=300)
         job = result.stdout.split()[-1] if result.stdout.split() else "?"

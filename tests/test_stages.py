@@ -4,14 +4,14 @@ import json
 import pytest
 import torch
 
-from conftest import STAGES, assert_bitwise_equal, load, max_param_diff, single_gpu
+from conftest import EPOCHS, STAGES, assert_bitwise_equal, load, max_param_diff, single_gpu
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_learns_and_logs_global_figures(reference_runs, stage):
     cwd, run = reference_runs[stage]
     epochs = run.epochs()
-    assert [e[0] for e in epochs] == [1, 2, 3, 4], run.output  # rank 0 alone prints, once per epoch
+    assert [e[0] for e in epochs] == list(range(1, EPOCHS + 1)), run.output  # rank 0 alone prints, once per epoch
     losses, accuracies = [e[1] for e in epochs], [e[2] for e in epochs]
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] / 4, losses
     assert accuracies[-1] >= 0.95 and accuracies[-1] > accuracies[0], accuracies
@@ -33,7 +33,7 @@ def test_same_model_at_every_scale(reference_runs):
 @pytest.mark.parametrize("stage", STAGES)
 def test_snapshot_is_plain_and_loads_safely(reference_runs, stage):
     snapshot = torch.load(reference_runs[stage][0] / "snapshot.pt", weights_only=True)
-    assert snapshot["epoch"] == 4 and {"model", "optimizer", "epoch"} <= snapshot.keys()
+    assert snapshot["epoch"] == EPOCHS and {"model", "optimizer", "epoch"} <= snapshot.keys()
     assert not any(k.startswith("module.") for k in snapshot["model"])
     single_gpu().build_model("convnet", 10).load_state_dict(snapshot["model"])  # strict: every key, every shape
     assert not list(reference_runs[stage][0].glob("*.tmp"))
@@ -42,7 +42,7 @@ def test_snapshot_is_plain_and_loads_safely(reference_runs, stage):
 def test_ranks_see_disjoint_shards(reference_runs):
     record = reference_runs["multigpu"][0] / "record"
     train_set, val_set, _ = single_gpu().load_datasets(None, 32)
-    for epoch in range(4):
+    for epoch in range(EPOCHS):
         shards = [json.loads((record / f"train-rank{r}-epoch{epoch}.json").read_text()) for r in range(2)]
         assert not set(shards[0]) & set(shards[1]) and len(shards[0]) == len(shards[1])
         assert sorted(shards[0] + shards[1]) == list(range(len(train_set)))
@@ -53,11 +53,11 @@ def test_ranks_see_disjoint_shards(reference_runs):
 
 
 def test_resume_is_exact(reference_runs, runs):
-    """multigpu.py stopped after epoch 2 and started again to epoch 4: bit for bit the uninterrupted run.
+    """multigpu.py stopped after epoch 2 and started again to the end: bit for bit the uninterrupted run.
     (single_gpu.py: test_crash_while_saving_keeps_the_previous_snapshot, resumed from epoch 1.)"""
     cwd, run = runs["resume-multigpu"]
-    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [3, 4], run.output
-    assert_bitwise_equal(load(cwd / "snapshot.pt"), load(reference_runs["multigpu"][0] / "snapshot.pt.epoch4"))
+    assert run.returncode == 0 and [e[0] for e in run.epochs()] == list(range(3, EPOCHS + 1)), run.output
+    assert_bitwise_equal(load(cwd / "snapshot.pt"), load(reference_runs["multigpu"][0] / f"snapshot.pt.epoch{EPOCHS}"))
 
 
 @pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
@@ -67,14 +67,14 @@ def test_elastic_restart_resumes_exactly(reference_runs, runs, stage):
     cwd, run = runs[f"elastic-{stage}"]
     assert run.returncode == 0, run.output
     assert (cwd / "killed").exists(), "the fault was never injected"
-    assert [e[0] for e in run.epochs()] == [1, 2, 3, 4], run.output  # epoch 3 logged once: the restart resumed
-    assert_bitwise_equal(load(cwd / "snapshot.pt"), load(reference_runs[stage][0] / "snapshot.pt.epoch4"))
+    assert [e[0] for e in run.epochs()] == list(range(1, EPOCHS + 1)), run.output  # epoch 3 once: the restart resumed
+    assert_bitwise_equal(load(cwd / "snapshot.pt"), load(reference_runs[stage][0] / f"snapshot.pt.epoch{EPOCHS}"))
 
 
 def test_snapshot_resumes_in_another_stage(reference_runs, runs):
     cwd, run = runs["cross"]
-    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [3, 4], run.output
-    reference = load(reference_runs["single_gpu"][0] / "snapshot.pt.epoch4")
+    assert run.returncode == 0 and [e[0] for e in run.epochs()] == list(range(3, EPOCHS + 1)), run.output
+    reference = load(reference_runs["single_gpu"][0] / f"snapshot.pt.epoch{EPOCHS}")
     assert max_param_diff(load(cwd / "snapshot.pt"), reference) <= 1e-4
 
 
