@@ -37,7 +37,7 @@ def load_datasets(data_dir: str | None, image_size: int) -> tuple[Dataset, Datas
         g = torch.Generator().manual_seed(1234)
         labels = torch.randint(10, (640 + 80,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32, mode="bilinear")  # one per class
-        data = TensorDataset(prototypes[labels] + 2 * torch.randn(len(labels), 3, 32, 32, generator=g), labels)
+        data = TensorDataset(prototypes[labels] + 1.5 * torch.randn(len(labels), 3, 32, 32, generator=g), labels)
         return Subset(data, range(640)), Subset(data, range(640, len(data))), 10
     from torchvision import datasets, transforms as T  # imported only when used: it adds ~2 s to each process's start
     tensor = [T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)]
@@ -162,7 +162,7 @@ if __name__ == "__main__":
     parser.add_argument("--total_epochs", type=positive_int, default=5, help="epochs to train in all (default 5)")
     parser.add_argument("--save_every", type=positive_int, default=5, help="snapshot every N epochs and at the end (5)")
     parser.add_argument("--batch_size", type=positive_int, default=32, help="samples per step in each process (32)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (3e-3)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (2e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (0)")
     parser.add_argument("--snapshot_path", default="snapshot.pt", help="resume from and save to (snapshot.pt)")
     parser.add_argument("--data_dir", help="ImageFolder tree with train/ and val/ (default: built-in synthetic data)")

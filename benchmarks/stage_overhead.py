@@ -76,7 +76,7 @@ def bare_loop(single, opts: argparse.Namespace, device: torch.device) -> float:
     labels = torch.stack([train_set[i][1] for i in range(len(train_set))]).to(device)
     torch.manual_seed(0)
     model = single.build_model(opts.arch, classes).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # single_gpu.py's default
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)  # single_gpu.py's default
     rates = []
     for epoch in range(opts.epochs):
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(epoch)).to(device)
