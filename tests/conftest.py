@@ -203,7 +203,7 @@ def make_image_tree(root, classes=4, train=24, val=8, size=24):
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
-    """Every launch of the session, started together: {name: (folder, Run)} (see Runs).
+    """Every launch of the session, queued as it starts: {name: (folder, Run)} (see Runs).
 
     reference-STAGE: each stage trains EPOCHS epochs at global batch 64, seed 0, keeping its snapshot after every epoch
     (shared by the learning, same-model, resume, elastic and shard tests, so each stage starts here only once).
