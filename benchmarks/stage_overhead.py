@@ -56,11 +56,12 @@ def run_stage(stage: str, world: int, opts: argparse.Namespace, env: dict) -> fl
                  for c in commands(stage, world, args)]
         outputs = [p.communicate()[0] for p in procs]
     rates = [int(rate) for epoch, rate in RATE.findall("\n".join(outputs)) if int(epoch) > 1]
-    if any(p.returncode for p in procs) and len(rates) < opts.epochs - 1:
+    codes = [p.returncode for p in procs]
+    if any(codes) and len(rates) < opts.epochs - 1:
         sys.exit(f"error: {stage} failed:\n" + "\n".join(outputs))
-    if any(p.returncode for p in procs):  # every epoch ran: the figures stand, the failure is reported
-        print(f"warning: {stage} failed after its last epoch (exit codes {[p.returncode for p in procs]}; see the "
-              "README's Troubleshooting)", file=sys.stderr, flush=True)
+    if any(codes):  # every epoch ran: the figures stand, the failure is reported
+        print(f"warning: {stage} failed after its last epoch (exit codes {codes}; see the README's Troubleshooting)",
+              file=sys.stderr, flush=True)
     return statistics.median(rates)
 
 
