@@ -1,8 +1,11 @@
-"""Stage 1 of 4, single_gpu.py: one process on one device. Launch: python single_gpu.py 50 10
-Every stage is a complete trainer (data, model, train loop, held-out eval, logging, snapshot/resume) and adds only
-distribution to the one before: single_gpu.py, multigpu.py, multigpu_torchrun.py, multinode.py (diff two neighbours).
-Arguments: total_epochs save_every [flags, see --help]. Uses the GPU(s) if present, else the CPU; CUDA_VISIBLE_DEVICES=
-in front of the command forces the CPU. Started again with the same --snapshot_path, a run resumes where it stopped."""
+"""Stage 1 of 4, one process trains on one device: python single_gpu.py 50 10
+
+50 epochs, a snapshot every 10 (--help lists the flags). Every stage is a complete
+trainer (data, model, training loop, held-out evaluation, logging, snapshots); each next one adds
+distribution only: single_gpu.py, multigpu.py, multigpu_torchrun.py, multinode.py. GPUs if any,
+else the CPU (CUDA_VISIBLE_DEVICES= forces it). Run again, it resumes from its last snapshot.
+"""
+
 import argparse
 import os
 import pickle
@@ -16,139 +19,227 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 
-def setup(local_rank: int) -> torch.device:
+def setup(local_rank: int, local_world_size: int) -> torch.device:
     """The one place that picks the hardware: CUDA when present, else the CPU."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, cores // local_world_size))  # local processes share the cores
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # where pinned memory and the backend's buffers go
     return device
 
 
-def load_datasets(data_dir: str | None, image_size: int) -> tuple[Dataset, Dataset, int]:
-    """(train, val, classes): by default 640 + 80 noisy 3x32x32 images of 10 classes, else DIR/{train,val}/CLASS/*"""
-    if data_dir is None:  # a fixed seed: every process and every run builds the same data
-        g = torch.Generator().manual_seed(1234)
-        labels = torch.randint(10, (640 + 80,), generator=g)
-        prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32, mode="bilinear")  # one per class
-        data = TensorDataset(prototypes[labels] + 1.5 * torch.randn(len(labels), 3, 32, 32, generator=g), labels)
-        return Subset(data, range(640)), Subset(data, range(640, len(data))), 10
-    from torchvision import datasets, transforms as T  # imported only when used: it adds ~2 s to each process's start
-    tensor = [T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)]
+def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Dataset, Dataset, int]:
+    """(train, val, number of classes): built-in synthetic images, or DIR/{train,val}/CLASS/*."""
+    if data_dir is None:
+        if augment != "none":
+            sys.exit("error: --augment needs --data_dir: the built-in images are not augmented")
+        generator = torch.Generator().manual_seed(1234)  # every process and every run: same data
+        labels = torch.randint(10, (640 + 80,), generator=generator)
+        prototypes = torch.randn(10, 3, 4, 4, generator=generator)  # smooth: one per class
+        prototypes = F.interpolate(prototypes, size=32, mode="bilinear")
+        noise = torch.randn(len(labels), 3, 32, 32, generator=generator)
+        data = TensorDataset(prototypes[labels] + 1.5 * noise, labels)
+        return Subset(data, range(640)), Subset(data, range(640, 720)), 10
+    from torchvision import datasets  # imported when used: it adds seconds to every start
+    from torchvision import transforms as T
+
+    resize = [T.Resize(size), T.CenterCrop(size)]
+    to_tensor = [T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)]
+    randomly = {"crop": T.RandomCrop(size, padding=size // 8), "flip": T.RandomHorizontalFlip()}
+    chosen = [randomly[name] for name in augment.split("+") if name != "none"]
     try:
-        train = datasets.ImageFolder(os.path.join(data_dir, "train"), T.Compose(
-            [T.RandomResizedCrop(image_size, scale=(0.6, 1.0)), T.RandomHorizontalFlip()] + tensor))
-        val = datasets.ImageFolder(os.path.join(data_dir, "val"), T.Compose(
-            [T.Resize(image_size), T.CenterCrop(image_size)] + tensor))
+        train = datasets.ImageFolder(f"{data_dir}/train", T.Compose(resize + chosen + to_tensor))
+        val = datasets.ImageFolder(f"{data_dir}/val", T.Compose(resize + to_tensor))
     except OSError as e:  # no such folder, no class folders, no images
-        sys.exit(f"error: --data_dir {data_dir}: {e} (expected images in DIR/train/CLASS/ and DIR/val/CLASS/)")
+        sys.exit(f"error: --data_dir {data_dir}: {e} (expected DIR/train/CLASS/, DIR/val/CLASS/)")
     if train.classes != val.classes:
         sys.exit(f"error: --data_dir {data_dir}: train/ and val/ must hold the same class folders")
     return train, val, len(train.classes)
 
 
 def build_model(arch: str, num_classes: int) -> nn.Module:
-    """The default is a small CNN, smooth (GELU, average pooling), without BatchNorm or dropout: see README."""
+    """convnet: a small smooth CNN (GELU, average pooling) without BatchNorm or dropout: README."""
     if arch == "convnet":
-        return nn.Sequential(  # 2x2 patches (32x32 -> 16x16), 3x3 convolutions at 16x16 and 8x8, global average, linear
-            nn.Conv2d(3, 32, 2, stride=2), nn.GELU(), nn.Conv2d(32, 64, 3, padding=1), nn.GELU(), nn.AvgPool2d(2),
-            nn.Conv2d(64, 128, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(), nn.Linear(128, num_classes))
-    from torchvision import models  # imported only when used: it adds ~2 s to each process's start
+        # fmt: off
+        return nn.Sequential(  # GroupNorm is per sample: every stage computes the same model
+            nn.Conv2d(3, 32, 2, stride=2), nn.GroupNorm(8, 32), nn.GELU(),  # 2x2 patches: 16x16
+            nn.Conv2d(32, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.GELU(), nn.AvgPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1), nn.GELU(),  # at 8x8
+            nn.Conv2d(128, 128, 3, padding=1), nn.GELU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes),
+        )
+        # fmt: on
+    from torchvision import models  # imported when used: it adds seconds to every start
+
     if arch not in models.list_models(module=models):
-        sys.exit(f"error: unknown --arch {arch}: use convnet or a torchvision classification model such as resnet18")
+        sys.exit(f"error: unknown --arch {arch}: use convnet or a torchvision classifier")
     return models.get_model(arch, num_classes=num_classes)
 
 
 class Trainer:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: DataLoader,
-                 val_data: DataLoader, device: torch.device, args: argparse.Namespace) -> None:
-        self.model, self.optimizer, self.train_data, self.val_data = model, optimizer, train_data, val_data
-        self.device, self.args, self.snapshot_path = device, args, args.snapshot_path
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_data: DataLoader,
+        val_data: DataLoader,
+        device: torch.device,
+        args: argparse.Namespace,
+    ) -> None:
+        self.model = model  # the plain model: evaluated and saved
+        self.layout = torch.channels_last if device.type == "cuda" else torch.preserve_format
+        self.model.to(memory_format=self.layout)  # NHWC: what tensor cores read fastest
+        self.optimizer = optimizer
+        self.train_data = train_data
+        self.val_data = val_data
+        self.device = device
+        self.args = args
         self.global_rank = 0  # the only process: it logs and writes snapshots
         self.epochs_run = self._load_snapshot()
+        self.train_model = model  # what the training step calls
+        if args.compile:  # fixed shapes; on GPUs CUDA graphs launch a whole step at once
+            self.train_model = torch.compile(self.train_model, mode="reduce-overhead")
 
     def _load_snapshot(self) -> int:
-        if not os.path.exists(self.snapshot_path):
+        path = self.args.snapshot_path
+        if not os.path.exists(path):
             return 0  # no snapshot yet: start at epoch 0
         try:  # weights_only=True: tensors and plain data only, never code from the file
-            snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
+            snapshot = torch.load(path, map_location=self.device, weights_only=True)
             self.model.load_state_dict(snapshot["model"])
             self.optimizer.load_state_dict(snapshot["optimizer"])
-            return int(snapshot["epoch"])
-        except Exception as e:  # garbage, truncated, another model, pickled objects: say which, keep the file as it is
-            reason = "not a snapshot of tensors and plain data" if isinstance(e, pickle.UnpicklingError) else str(e)
-        sys.exit(f"error: cannot resume from {self.snapshot_path}: {' '.join(reason.split())[:300]}; move it away")
+            epochs_run = int(snapshot["epoch"])
+            planned = int(snapshot.get("total_epochs", self.args.total_epochs))
+        except pickle.UnpicklingError:  # pickled objects, or not a snapshot at all: nothing ran
+            sys.exit(f"error: cannot resume from {path}: not a file of tensors and plain data")
+        except Exception as e:  # truncated, another model...: say which
+            sys.exit(f"error: cannot resume from {path}: {' '.join(str(e).split())[:300]}")
+        total = self.args.total_epochs
+        if self.global_rank == 0 and planned != total and epochs_run < total:
+            print(f"Resuming a {planned}-epoch run: the learning rate now decays to 0 at {total}")
+        return epochs_run
 
     def _save_snapshot(self, epochs_run: int) -> None:
-        snapshot = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "epoch": epochs_run}
-        with open(f"{self.snapshot_path}.tmp", "wb") as f:  # same folder, so the rename below is atomic
+        snapshot = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        snapshot.update(epoch=epochs_run, total_epochs=self.args.total_epochs)  # plain data
+        temporary = f"{self.args.snapshot_path}.tmp"  # same folder: the rename below is atomic
+        with open(temporary, "wb") as f:
             torch.save(snapshot, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(f"{self.snapshot_path}.tmp", self.snapshot_path)  # a crash before this keeps the last snapshot
+        os.replace(temporary, self.args.snapshot_path)  # a crash before this keeps the last one
+
+    def _learning_rate(self, done: float) -> float:
+        """One cycle: linear warm-up over the first 10% of the run, linear decay to 0 at its end."""
+        return self.args.lr * min(done / 0.1, (1 - done) / 0.9)
+
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its summed loss."""
+        with torch.autocast(
+            self.device.type, torch.bfloat16, enabled=self.args.precision == "bf16"
+        ):
+            loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
+        (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()  # a mean, see README
+        return loss_sum.detach()
 
     def _run_epoch(self, epoch: int) -> torch.Tensor:
-        """Train one epoch, then evaluate: returns [train loss sum, train samples, val correct, val samples]."""
-        torch.manual_seed(self.args.seed + 1000 * epoch + self.global_rank)  # depends on nothing else: resume is exact
+        """Train one epoch, then evaluate: [train loss sum, samples, val correct, val samples]."""
+        torch.manual_seed(self.args.seed + 1000 * epoch + self.global_rank)  # resume is exact
         self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch
-        stats = torch.tensor([0.0, len(self.train_data.sampler), 0.0, len(self.val_data.dataset)], device=self.device)
+        steps = len(self.train_data)
+        trained = min(len(self.train_data.sampler), steps * self.args.batch_size)  # drop_last
+        stats = torch.tensor([0.0, trained, 0.0, len(self.val_data.dataset)], device=self.device)
         self.model.train()
-        for source, targets in self.train_data:
-            source, targets = source.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(self.model(source), targets)
-            loss.backward()
-            self.optimizer.step()
-            stats[0] += loss.detach() * len(targets)  # no .item(): no host sync per step
+        for step, (source, targets) in enumerate(self.train_data):
+            source = source.to(self.device, non_blocking=True, memory_format=self.layout)
+            targets = targets.to(self.device, non_blocking=True)
+            update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
+            stats[0] += self._run_batch(source, targets)  # no .item(): no host sync per step
+            if update:  # the fraction of the run done at the middle of this update's samples
+                first = step - step % self.args.grad_accum
+                done = (epoch + (first + step + 1) / 2 / steps) / self.args.total_epochs
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self._learning_rate(done)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         with torch.no_grad():
             for source, targets in self.val_data:
-                source, targets = source.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+                source = source.to(self.device, non_blocking=True, memory_format=self.layout)
+                targets = targets.to(self.device, non_blocking=True)
                 stats[2] += (self.model(source).argmax(1) == targets).sum()
         return stats
 
-    def train(self, total_epochs: int) -> None:
-        for epoch in range(self.epochs_run, total_epochs):
+    def train(self) -> None:
+        processes = self.train_data.sampler.num_replicas  # that share each batch
+        global_batch = self.args.batch_size * self.args.grad_accum * processes
+        for epoch in range(self.epochs_run, self.args.total_epochs):
             start = time.perf_counter()
             stats = self._run_epoch(epoch)
             loss_sum, samples, correct, evaluated = stats.tolist()  # the epoch's one host sync
+            lr = self.optimizer.param_groups[0]["lr"]
+            figures = f"loss {loss_sum / samples:.4f} | acc {correct / evaluated:.4f} | lr {lr:.2e}"
+            speed = (
+                f"batch {global_batch} | {samples / (time.perf_counter() - start):.0f} samples/s"
+            )
             if self.global_rank == 0:
-                print(f"Epoch {epoch + 1} | loss {loss_sum / samples:.4f} | acc {correct / evaluated:.4f} | "
-                      f"{samples / (time.perf_counter() - start):.0f} samples/s", flush=True)
-            if self.global_rank == 0 and ((epoch + 1) % self.args.save_every == 0 or epoch + 1 == total_epochs):
+                print(f"Epoch {epoch + 1} | {figures} | {speed}", flush=True)
+            last = epoch + 1 == self.args.total_epochs
+            if self.global_rank == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
                 self._save_snapshot(epoch + 1)
 
 
 def main(local_rank: int, args: argparse.Namespace) -> None:
-    device = setup(local_rank)
-    train_set, val_set, num_classes = load_datasets(args.data_dir, args.image_size)
+    device = setup(local_rank, 1)  # one process on this machine
+    if args.deterministic:  # before the first CUDA kernel: cuBLAS reads this once
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = not args.deterministic  # time kernels once, keep the fastest
+    train_set, val_set, num_classes = load_datasets(args.data_dir, args.image_size, args.augment)
     torch.manual_seed(args.seed)  # the same initial weights in every stage
     model = build_model(args.arch, num_classes).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)  # the order every stage uses
-    workers = dict(num_workers=4, pin_memory=True, persistent_workers=True) if device.type == "cuda" else {}
-    train_data = DataLoader(train_set, args.batch_size, sampler=sampler, **workers)
-    val_data = DataLoader(val_set, 2 * args.batch_size, **workers)
-    Trainer(model, optimizer, train_data, val_data, device, args).train(args.total_epochs)
+    fused = device.type == "cuda"  # one kernel updates all parameters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=fused)
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)  # the order
+    val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))  # a shard
+    loading = {}  # on the CPU the training process loads the data: workers would take its cores
+    if device.type == "cuda":  # worker processes prepare the next batches while the GPU trains
+        loading = {"num_workers": torch.get_num_threads(), "pin_memory": True}
+        loading["persistent_workers"] = args.augment == "none"  # else seeded anew: exact resume
+    train_data = DataLoader(
+        train_set, args.batch_size, sampler=sampler, drop_last=args.compile, **loading
+    )
+    val_data = DataLoader(val_set, 2 * args.batch_size, **loading)
+    Trainer(model, optimizer, train_data, val_data, device, args).train()
 
 
 if __name__ == "__main__":
+
     def positive_int(text: str) -> int:
         if not text.isdigit() or int(text) < 1:
             raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
         return int(text)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage dump
-    parser.add_argument("total_epochs", type=positive_int, nargs="?", default=argparse.SUPPRESS, help="--total_epochs")
-    parser.add_argument("save_every", type=positive_int, nargs="?", default=argparse.SUPPRESS, help="--save_every")
-    parser.add_argument("--total_epochs", type=positive_int, default=5, help="epochs to train in all (default 5)")
-    parser.add_argument("--save_every", type=positive_int, default=5, help="snapshot every N epochs and at the end (5)")
-    parser.add_argument("--batch_size", type=positive_int, default=32, help="samples per step in each process (32)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (2e-3)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (0)")
-    parser.add_argument("--snapshot_path", default="snapshot.pt", help="resume from and save to (snapshot.pt)")
-    parser.add_argument("--data_dir", help="ImageFolder tree with train/ and val/ (default: built-in synthetic data)")
-    parser.add_argument("--image_size", type=positive_int, default=32, help="side of the images fed to the model (32)")
-    parser.add_argument("--arch", default="convnet", help="convnet, or a torchvision model: resnet18...")
+
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage
+    add = parser.add_argument
+    add("total_epochs", type=positive_int, nargs="?", default=argparse.SUPPRESS)
+    add("save_every", type=positive_int, nargs="?", default=argparse.SUPPRESS)
+    add("--total_epochs", type=positive_int, default=5, help="epochs in all (5)")
+    add("--save_every", type=positive_int, default=5, help="snapshot every N epochs and at the end")
+    add("--batch_size", type=positive_int, default=32, help="samples per micro-batch and process")
+    add("--grad_accum", type=positive_int, default=1, help="micro-batches per optimizer step (1)")
+    add("--lr", type=float, default=3e-3, help="AdamW's peak learning rate (3e-3)")
+    add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (0)")
+    add("--snapshot_path", default="snapshot.pt", help="resume from and save to (snapshot.pt)")
+    add("--data_dir", help="DIR/train/CLASS/*, DIR/val/CLASS/* images (default: built-in data)")
+    add("--image_size", type=positive_int, default=32, help="side of the model's input (32)")
+    add("--augment", default="none", choices=["none", "crop", "flip", "crop+flip"], help="(none)")
+    add("--arch", default="convnet", help="convnet, or a torchvision classifier: resnet18...")
+    add("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast (fp32)")
+    add("--deterministic", action="store_true", help="exact resume on GPUs, at some speed")
+    add("--compile", action="store_true", help="torch.compile: faster steps, a slow start")
     args = parser.parse_args()
     main(0, args)  # the only process, on device 0
