@@ -1,10 +1,17 @@
-"""Shared helpers: launch a stage exactly as a user would (on CPU + gloo), read its log and its snapshots."""
+"""Shared helpers: launch a stage as a user would (CPU + gloo), read its log and its snapshots.
+
+Every launch of the session is queued at its start in one pool (the `runs` fixture), so that runs
+share the two cores while the tests read their results; see tests/README.md.
+"""
+
 import contextlib
 import functools
 import importlib.util
 import os
+import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +28,12 @@ REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STAGES = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
 EPOCHS = 3  # of every reference run, and of the runs compared with them
-EPOCH_LINE = re.compile(r"^Epoch (\d+) \| loss ([\d.]+) \| acc ([\d.]+) \| (\d+) samples/s$", re.M)
+EPOCH_LINE = re.compile(
+    r"^Epoch (\d+) \| loss ([\d.]+) \| acc ([\d.]+) \| lr ([\d.e+-]+) \| batch (\d+) \| "
+    r"(\d+) samples/s$",
+    re.M,
+)
+TEST_HOOKS = ("FAULT_", "SAVE_KILL", "KEEP_SNAP", "RECORD_DIR", "TORCH_DISABLE_SHARE_RDZV")
 
 
 def free_port() -> int:
@@ -31,85 +43,154 @@ def free_port() -> int:
 
 
 def stage_env(**extra: str) -> dict:
-    """CPU + gloo even on a GPU machine; test hooks in tests/faults (inactive unless their variables are set)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAULT_", "SAVE_KILL", "KEEP_SNAP", "RECORD_DIR"))}
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               PYTHONPATH=str(REPO / "tests" / "faults"),
-               OMP_WAIT_POLICY="PASSIVE")  # runs share the cores: idle threads sleep instead of spinning
+    """CPU + gloo even on a GPU machine, and the test hooks of tests/faults, idle unless set."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(TEST_HOOKS)}
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO / "tests" / "faults"),
+        OMP_WAIT_POLICY="PASSIVE",  # runs share the cores: idle threads sleep instead of spinning
+    )
     env.update(extra)
     return env
 
 
-def stage_command(stage: str, args: list, nnodes_rank: int | None = None, endpoint: str = "",
-                  torchrun_args: tuple = (), plain_python: bool = False) -> list:
+RESTARTS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # what --max-restarts needs (README)
+
+
+def stage_command(
+    stage: str, args: list, node: int | None, endpoint: str, torchrun_args=(), nproc: int = 2
+) -> list:
     script = str(REPO / f"{stage}.py")
-    if stage in ("single_gpu", "multigpu") or plain_python:
+    if stage in ("single_gpu", "multigpu") or nproc == 0:
         return [sys.executable, script, *args]
     if stage == "multigpu_torchrun":
-        return [TORCHRUN, "--standalone", "--nproc_per_node=2", *torchrun_args, script, *args]
-    return [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={nnodes_rank}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}", "--rdzv-id=test", *torchrun_args, script, *args]
+        torchrun = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=test"]
+        torchrun = [
+            TORCHRUN,
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node}",
+            *rendezvous,
+        ]
+    return [*torchrun, *torchrun_args, script, *args]
 
 
 class Run:
-    def __init__(self, returncode: int, output: str, ended: float) -> None:
-        self.returncode, self.output, self.ended = returncode, output, ended  # ended: time.time() at exit
+    def __init__(self, returncode: int, output: str, seconds: float) -> None:
+        self.returncode = returncode
+        self.output = output
+        self.seconds = seconds  # from the start to the exit
+        self.ended = time.time()
 
-    def epochs(self) -> list[tuple[int, float, float, int]]:
-        return [(int(e), float(loss), float(acc), int(rate)) for e, loss, acc, rate in EPOCH_LINE.findall(self.output)]
+    def epochs(self) -> list[tuple]:
+        """(epoch, loss, accuracy, lr, global batch, samples/s) of each logged epoch."""
+        return [
+            (int(e), float(loss), float(acc), float(lr), int(batch), int(rate))
+            for e, loss, acc, lr, batch, rate in EPOCH_LINE.findall(self.output)
+        ]
 
 
-def launch(stage: str, args: list, cwd: Path, env: dict | None = None, timeout: float = 180,
-           torchrun_args: tuple = (), node_cwds: tuple | None = None, plain_python: bool = False) -> Run:
-    """Run one stage to its end, as a user launches it; multinode runs as two torchrun agents ("nodes") on this
-    machine. plain_python: python SCRIPT, even for the torchrun stages."""
+def start(
+    stage: str,
+    args: list,
+    cwd: Path,
+    env: dict | None = None,
+    torchrun_args=(),
+    node_cwds=None,
+    nproc: int = 2,
+) -> list[subprocess.Popen]:
+    """Start a stage as a user does; multinode is two torchrun agents ("nodes") on this machine.
+    nproc=0: python SCRIPT, even for the torchrun stages."""
     env = env or stage_env()
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [0, 1] if stage == "multinode" and not plain_python else [None]
+    nodes = [0, 1] if stage == "multinode" and nproc else [None]
     cwds = node_cwds or (cwd, cwd)
-    start = time.monotonic()
-    procs = [subprocess.Popen(stage_command(stage, [str(a) for a in args], node, endpoint, torchrun_args, plain_python),
-                              cwd=cwds[i], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for i, node in enumerate(nodes)]
+    return [
+        subprocess.Popen(
+            stage_command(stage, [str(a) for a in args], node, endpoint, torchrun_args, nproc),
+            cwd=cwds[i],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # the test can end exactly what it started
+        )
+        for i, node in enumerate(nodes)
+    ]
+
+
+def launch(stage: str, args: list, cwd: Path, timeout: float = 300, **start_args) -> Run:
+    """Run a stage to its end: a Run with the first non-zero exit code and all output."""
+    begin = time.monotonic()
+    procs = start(stage, args, cwd, **start_args)
     outputs, codes = [], []
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+            out, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - begin)))
             outputs.append(out)
             codes.append(proc.returncode)
     except subprocess.TimeoutExpired:
-        for proc in procs:  # the whole session each agent or script started, workers included
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+        end_processes_in(cwd)
         pytest.fail(f"{stage} {args} did not finish within {timeout} s")
     code = next((c for c in codes if c != 0), 0)
-    return Run(code, "\n".join(outputs), time.time())
+    return Run(code, "\n".join(outputs), time.monotonic() - begin)
+
+
+def processes_in(folder: Path) -> list[int]:
+    """PIDs of the processes whose working folder is `folder`: each run has its own."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/cwd") == str(folder):
+                found.append(int(pid))
+    return found
+
+
+def end_processes_in(folder: Path) -> None:
+    for pid in processes_in(folder):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class Runs:
-    """Launches that run side by side: each run alone leaves a core idle much of the time (imports, rendezvous), and
-    the results do not depend on the load (the arithmetic is deterministic). At most 3 per core at once, in the order
-    started: more only make the runs thrash the cores. A run that starts from another's files starts as soon as that
-    one ends, ahead of the queue. runs[name] waits for the run: (folder, Run)."""
+    """Launches that run side by side: one run alone leaves a core idle much of the time
+    (imports, rendezvous), and the results do not depend on the load (the arithmetic is
+    deterministic). At most 3 per core at once, in the order started. A run that starts from
+    another's files starts as soon as that one ends, ahead of the queue. runs[name] waits for it."""
+
     def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=64)  # a thread per run; most of them wait for a process
+        self.pool = ThreadPoolExecutor(max_workers=64)  # a thread per run: most wait for a process
         self.slots = threading.Semaphore(3 * (os.cpu_count() or 1))
         self.futures = {}
 
-    def start(self, name: str, after: str | None = None, prepare=None, **launch_args) -> None:
+    def submit(self, name: str, job, after: str | None = None) -> None:
+        """job() runs in the pool, holding a slot unless it waits for the run named `after`."""
         assert after is None or after in self.futures, f"start {after} before {name}"
 
-        def run() -> tuple:
+        def run():
             if after:
-                self[after]  # wait for it
-            if prepare:
-                prepare()
-            with self.slots if after is None else contextlib.nullcontext():  # the longest paths go first
-                return launch_args["cwd"], launch(**launch_args)
+                self[after]
+            with self.slots if after is None else contextlib.nullcontext():
+                return job()
+
         self.futures[name] = self.pool.submit(run)
 
-    def __getitem__(self, name: str) -> tuple:
+    def start(self, name: str, cwd: Path, after: str | None = None, prepare=None, **launch_args):
+        def job() -> tuple:
+            if prepare:
+                prepare()
+            return cwd, launch(cwd=cwd, **launch_args)
+
+        self.submit(name, job, after)
+
+    def __getitem__(self, name: str):
         return self.futures[name].result()
 
 
@@ -142,13 +223,14 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 DEAD_RANKS = {  # stage, fault, and how the output names the rank that failed
     "multigpu-raise": ("multigpu", "raise:1:0", "Process 1 terminated"),
-    "multigpu-kill": ("multigpu", "kill:1:0", "error: rank 1 stopped (SIGKILL)"),
+    "multigpu-kill": ("multigpu", "kill:1:0", "error: process 1 terminated with signal SIGKILL"),
     "torchrun-raise": ("multigpu_torchrun", "raise:1:0", "rank      : 1 (local_rank: 1)"),
 }  # a SIGKILLed worker under torchrun: test_elastic_restart_resumes_exactly
 
 
 class Payload:
-    """Unpickling this runs a command that creates a file beside the snapshot: it must never happen."""
+    """Unpickling this runs a command that creates a file beside the snapshot: it must not run."""
+
     def __init__(self, marker: Path) -> None:
         self.marker = str(marker)
 
@@ -167,9 +249,12 @@ def write_bad_snapshot(path: Path, case: str) -> None:
     elif case == "other_model":
         model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 4, stride=4))
         optimizer = torch.optim.AdamW(model.parameters())
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1}, path)
+        snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1}
+        torch.save(snapshot, path)
     elif case == "payload":
-        torch.save({"model": {}, "optimizer": Payload(path.parent / "payload-ran"), "epoch": 1}, path)
+        torch.save(
+            {"model": {}, "optimizer": Payload(path.parent / "payload-ran"), "epoch": 1}, path
+        )
 
 
 @functools.cache
@@ -185,69 +270,186 @@ def write_snapshot(path: Path, epoch: int) -> None:
     """A valid snapshot of the default model, as the stages write it."""
     model = single_gpu().build_model("convnet", 10)
     optimizer = torch.optim.AdamW(model.parameters())
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, path)
+    snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+    torch.save(snapshot, path)
 
 
-def make_image_tree(root, classes=4, train=24, val=8, size=24):
+def make_image_tree(root: Path, classes: int = 4, train: int = 24, val: int = 8) -> None:
     """PNG files in the ImageFolder layout; a class is a colour, so a few epochs suffice."""
     from PIL import Image
+
     g = torch.Generator().manual_seed(0)
     colours = torch.rand(classes, 3, generator=g) * 200
     for split, count in (("train", train), ("val", val)):
         for c in range(classes):
             (root / split / f"class{c}").mkdir(parents=True)
             for i in range(count):
-                pixels = (colours[c] + 55 * torch.rand(size, size, 3, generator=g)).clamp(0, 255).to(torch.uint8)
+                noise = 55 * torch.rand(24, 24, 3, generator=g)
+                pixels = (colours[c] + noise).clamp(0, 255).to(torch.uint8)
                 Image.fromarray(pixels.numpy()).save(root / split / f"class{c}" / f"{i}.png")
+
+
+GLYPHS = "bdpq25SZNL"  # b/d/p/q mirror one another; 2, 5, S, Z, N, L mirror to no character
+
+
+def make_glyph_tree(root: Path, train: int, val: int, seed: int = 0) -> None:
+    """Grey 32x32 PNGs of characters: drawn at random sizes, angles and offsets, blurred and
+    noisy. Real structure: a mirror image or a heavy crop can change or erase the class."""
+    from PIL import Image, ImageDraw, ImageFilter, ImageFont
+
+    rng = random.Random(seed)
+    for split, count in (("train", train), ("val", val)):
+        for c, char in enumerate(GLYPHS):
+            folder = root / split / f"{c}_{char}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                image = Image.new("L", (64, 64), 0)
+                font = ImageFont.load_default(size=rng.randint(28, 40))
+                stroke = {"stroke_width": rng.randint(0, 2), "stroke_fill": 255}
+                ImageDraw.Draw(image).text((32, 32), char, 255, font, anchor="mm", **stroke)
+                shift = (rng.uniform(-5, 5), rng.uniform(-5, 5))
+                image = image.rotate(rng.uniform(-15, 15), Image.BILINEAR, translate=shift)
+                image = image.resize((32, 32), Image.BILINEAR)
+                image = image.filter(ImageFilter.GaussianBlur(rng.uniform(0, 0.8)))
+                noise = Image.effect_noise((32, 32), rng.uniform(10, 40))
+                Image.blend(image, noise, rng.uniform(0.1, 0.3)).save(folder / f"{i}.png")
+
+
+def kill_launcher_after(stage: str, epoch: int, cwd: Path, timeout: float = 300) -> dict:
+    """Start a long run, SIGKILL its launcher (python multigpu.py, or torchrun) once `epoch`
+    is logged, then watch its workers: {"killed": seconds after start, "gone": seconds from the
+    kill until no process works in cwd (None: some still did after 30 s), "output": ...}."""
+    (proc,) = start(stage, [400, 1], cwd)
+    begin = time.monotonic()
+    lines = []
+    for line in proc.stdout:  # the launcher's own output, workers' included, until the kill
+        lines.append(line)
+        if line.startswith(f"Epoch {epoch} ") or time.monotonic() - begin > timeout:
+            break
+    killed = time.monotonic()
+    proc.kill()
+    proc.wait()
+    gone = None
+    while time.monotonic() - killed < 30:
+        if not processes_in(cwd):
+            gone = time.monotonic() - killed
+            break
+        time.sleep(0.2)
+    end_processes_in(cwd)  # whatever is left, so that nothing outlives the test
+    proc.stdout.close()
+    return {"cwd": cwd, "killed": killed - begin, "gone": gone, "output": "".join(lines)}
 
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
-    """Every launch of the session, queued as it starts: {name: (folder, Run)} (see Runs).
+    """Every launch of the session, queued at its start: {name: (folder, Run)} (see Runs).
 
-    reference-STAGE: each stage trains EPOCHS epochs at global batch 64, seed 0, keeping its snapshot after every epoch
-    (shared by the learning, same-model, resume, elastic and shard tests, so each stage starts here only once).
-    Other runs inject faults (test_faults.py), give bad input (test_errors.py), or start from a reference's files."""
+    reference-STAGE: each stage trains EPOCHS epochs at global batch 64, seed 0, keeping its
+    snapshot after every epoch; the learning, same-model, resume, elastic and shard tests share
+    them. Other runs inject faults, give bad input, or start from a reference's files."""
     runs, references = Runs(), {}
     folder = tmp_path_factory.mktemp
     for stage in STAGES:
         cwd = references[stage] = folder(stage)
         (cwd / "record").mkdir()
-        runs.start(f"reference-{stage}", stage=stage, args=[EPOCHS, 1, *global_batch_args(stage)], cwd=cwd,
-                   env=stage_env(KEEP_SNAPSHOTS="1", RECORD_DIR=str(cwd / "record")))
-    # Stopped after epoch 2 and started again to the end; "cross": a snapshot of multinode.py resumed by single_gpu.py.
-    for name, stage, source in (("resume-multigpu", "multigpu", "multigpu"), ("cross", "single_gpu", "multinode")):
+        env = stage_env(KEEP_SNAPSHOTS="1", RECORD_DIR=str(cwd / "record"))
+        args = [EPOCHS, 1, *global_batch_args(stage)]
+        runs.start(f"reference-{stage}", cwd, stage=stage, args=args, env=env)
+    # Slow ones first: ten epochs each (test_faults.py), and the compiler (test_stages.py).
+    for i in range(3):
+        runs.start(f"ten-epochs-{i}", folder(f"ten-{i}"), stage="multigpu_torchrun", args=[10, 5])
+    runs.start("compile", folder("compile"), stage="single_gpu", args=[1, 1, "--compile"])
+    # Stopped after epoch 2 and started again; "cross": multinode.py's snapshot in single_gpu.py;
+    # "longer": resumed with another total_epochs, so another learning-rate schedule.
+    for name, stage, source, epochs in (
+        ("resume-multigpu", "multigpu", "multigpu", EPOCHS),
+        ("cross", "single_gpu", "multinode", EPOCHS),
+        ("longer", "single_gpu", "single_gpu", EPOCHS + 1),
+    ):
         cwd = folder(name)
-        copy = functools.partial(shutil.copyfile, references[source] / "snapshot.pt.epoch2", cwd / "snapshot.pt")
-        runs.start(name, after=f"reference-{source}", prepare=copy, stage=stage,
-                   args=[EPOCHS, 1, *global_batch_args(stage)], cwd=cwd)
-    for stage, rank in (("multigpu_torchrun", 0), ("multinode", 1)):  # SIGKILL a worker in epoch 3 (test_stages.py)
-        cwd = folder(f"elastic-{stage}")
-        runs.start(f"elastic-{stage}", stage=stage, args=[EPOCHS, 1, *global_batch_args(stage)], cwd=cwd,
-                   env=stage_env(FAULT_AT=f"kill:{rank}:2", FAULT_ONCE=str(cwd / "killed")),
-                   torchrun_args=("--max-restarts=1",))
-    # The second save writes half a file, then the process is SIGKILLed; then the same folder, copied, starts again.
+        copy = functools.partial(
+            shutil.copyfile, references[source] / "snapshot.pt.epoch2", cwd / "snapshot.pt"
+        )
+        args = [epochs, 1, *global_batch_args(stage)]
+        runs.start(name, cwd, after=f"reference-{source}", prepare=copy, stage=stage, args=args)
+    # A worker SIGKILLed in epoch 3 (test_stages.py); the same, started as most tutorials show it.
+    for stage, rank in (("multigpu_torchrun", 0), ("multinode", 1)):
+        args = [EPOCHS, 1, *global_batch_args(stage)]
+        for name, extra in ((f"elastic-{stage}", RESTARTS_ENV), (f"plain-{stage}", {})):
+            cwd = folder(name)
+            fault = {"FAULT_AT": f"kill:{rank}:2", "FAULT_ONCE": str(cwd / "killed")}
+            env = stage_env(**fault, **extra)
+            restarts = ("--max-restarts=1",)
+            runs.start(name, cwd, stage=stage, args=args, env=env, torchrun_args=restarts)
+    # The same global batch (64) from micro-batches: test_stages.py.
+    accumulated = {"single_gpu": (16, 4, 1), "multigpu": (16, 2, 2), "multigpu_torchrun": (8, 4, 2)}
+    for stage, (batch, steps, _) in accumulated.items():
+        args = [EPOCHS, EPOCHS, "--batch_size", batch, "--grad_accum", steps]
+        runs.start(f"accumulate-{stage}", folder(f"accumulate-{stage}"), stage=stage, args=args)
+    for stage in ("single_gpu", "multigpu_torchrun"):
+        args = [5, 5, "--precision", "bf16"]
+        runs.start(f"bf16-{stage}", folder(f"bf16-{stage}"), stage=stage, args=args)
+    # --deterministic: 4 epochs straight, and the same stopped after epoch 2 and started again.
+    deterministic, resumed = folder("deterministic"), folder("deterministic-resumed")
+    args = [4, 2, "--deterministic"]
+    runs.start(
+        "deterministic",
+        deterministic,
+        stage="multigpu",
+        args=args,
+        env=stage_env(KEEP_SNAPSHOTS="1"),
+    )
+    copy = functools.partial(
+        shutil.copyfile, deterministic / "snapshot.pt.epoch2", resumed / "snapshot.pt"
+    )
+    runs.start(
+        "deterministic-resumed",
+        resumed,
+        after="deterministic",
+        prepare=copy,
+        stage="multigpu",
+        args=args,
+    )
+    # The second save writes half a file, then the process is SIGKILLed; then the same folder,
+    # copied, starts again.
     save, save_resume = folder("save"), folder("save-resume")
-    runs.start("save", stage="single_gpu", args=[EPOCHS, 1, "--batch_size", 64], cwd=save,
-               env=stage_env(SAVE_KILL_AT="2"))
-    runs.start("save-resume", after="save", prepare=lambda: shutil.copytree(save, save_resume, dirs_exist_ok=True),
-               stage="single_gpu", args=[EPOCHS, 1, "--batch_size", 64], cwd=save_resume)
-    for name, (stage, fault, _) in DEAD_RANKS.items():  # FAULT_ONCE's file tells when the rank died
+    args = [EPOCHS, 1, "--batch_size", 64]
+    runs.start("save", save, stage="single_gpu", args=args, env=stage_env(SAVE_KILL_AT="2"))
+    copy = functools.partial(shutil.copytree, save, save_resume, dirs_exist_ok=True)
+    runs.start(
+        "save-resume", save_resume, after="save", prepare=copy, stage="single_gpu", args=args
+    )
+    for name, (stage, fault, _) in DEAD_RANKS.items():  # FAULT_ONCE's file: when the rank died
         cwd = folder(name)
-        runs.start(name, stage=stage, args=[2, 1], cwd=cwd, env=stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died")))
+        env = stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died"))
+        runs.start(name, cwd, stage=stage, args=[2, 1], env=env)
+    for stage in ("multigpu", "multigpu_torchrun"):  # the launcher SIGKILLed (test_faults.py)
+        cwd = folder(f"orphans-{stage}")
+        runs.submit(f"orphans-{stage}", functools.partial(kill_launcher_after, stage, 3, cwd))
     # Two nodes without shared storage: node 0 has a snapshot, node 1 has none.
     nodes = folder("node0"), folder("node1")
     write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
-    runs.start("apart", stage="multinode", args=[4, 1, "--batch_size", 32], cwd=nodes[0], node_cwds=nodes)
+    args = [4, 1, "--batch_size", 32]
+    runs.start("apart", nodes[0], stage="multinode", args=args, node_cwds=nodes)
+    # Images from folders: drawn characters with default flags (about 280 optimizer steps); the
+    # CIFAR-10 flags, and multigpu.py, on coloured squares.
+    cwd = folder("glyphs")
+    make_glyph_tree(cwd / "data", train=150, val=30)
+    runs.start("glyphs", cwd, stage="single_gpu", args=[6, 6, "--data_dir", cwd / "data"])
     cwd = folder("images")
     make_image_tree(cwd / "data")
-    runs.start("images", stage="multigpu", args=[4, 4, "--data_dir", cwd / "data", "--batch_size", 8, "--lr", "3e-3"],
-               cwd=cwd)
+    args = [4, 4, "--data_dir", cwd / "data", "--batch_size", 8]
+    runs.start("images", cwd, stage="multigpu", args=args)
+    cwd = folder("cifar-flags")
+    make_image_tree(cwd / "data")
+    cifar = ["--arch", "resnet18", "--augment", "crop+flip", "--batch_size", 16]
+    args = [2, 2, "--data_dir", cwd / "data", *cifar]
+    runs.start("cifar-flags", cwd, stage="single_gpu", args=args)
     # Bad input, as a user sees it (test_errors.py).
-    runs.start("no-torchrun", stage="multinode", args=[2, 1], cwd=folder("no-torchrun"), plain_python=True)
+    runs.start("no-torchrun", folder("no-torchrun"), stage="multinode", args=[2, 1], nproc=0)
     cwd = folder("bad-snapshot")
     write_bad_snapshot(cwd / "snapshot.pt", "payload")
-    runs.start("bad-snapshot", stage="multigpu", args=[2, 1], cwd=cwd)
+    runs.start("bad-snapshot", cwd, stage="multigpu", args=[2, 1])
     yield runs
     runs.pool.shutdown()
 
@@ -262,17 +464,18 @@ def reference_runs(runs) -> dict:
 
 @pytest.fixture(scope="session", autouse=True)
 def _slurm_in_background(request):
-    """Bring up the Slurm cluster and submit the batch files as the session starts, so the jobs share the machine
-    with the other tests instead of running after them. Only when a Slurm test was collected."""
+    """Bring up the Slurm cluster and submit the batch files as the session starts, so that the
+    jobs share the machine with the other tests. Only when a Slurm test was collected."""
     if not any(item.nodeid.startswith("tests/test_slurm.py") for item in request.session.items):
         yield None
         return
     import slurm_cluster
+
     reason = slurm_cluster.missing_requirement()
     if reason:
         yield reason
         return
-    root = Path(tempfile.mkdtemp(prefix="slurm-test-"))  # not under pytest's 0700 folder: munged wants o+x on the path
+    root = Path(tempfile.mkdtemp(prefix="slurm-test-"))  # munged wants o+x on every parent
     pool = ThreadPoolExecutor(max_workers=1)
     jobs = pool.submit(lambda: slurm_cluster.submit_all(slurm_cluster.start(root), root))
     try:
@@ -286,7 +489,7 @@ def _slurm_in_background(request):
 
 @pytest.fixture
 def slurm_jobs(_slurm_in_background) -> dict:
-    """{stage: (folder, sbatch result, job log)}; skipped (a failure in CI) where Slurm or root is missing."""
+    """{stage: (folder, sbatch result, job log)}; skipped (in CI: failed) without Slurm or root."""
     if isinstance(_slurm_in_background, str):
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must run the Slurm tests: {_slurm_in_background}")

@@ -1,9 +1,12 @@
-"""A real two-node Slurm cluster on this machine (loopback only), and the four batch files submitted to it.
+"""A real two-node Slurm cluster on this machine (loopback only), and the four batch files
+submitted to it.
 
-Node K listens on 127.0.1.K and has its own hostname (a UTS + mount namespace with a private /etc/hosts). Every file
-the cluster writes lives in one temporary folder; the daemons are stopped by PID at the end.
-Needs root and Debian's packages: apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge
+Node K listens on 127.0.1.K and has its own hostname (a UTS + mount namespace with a private
+/etc/hosts). Every file the cluster writes lives in one temporary folder; the daemons are stopped
+by PID at the end. Needs root and Debian's packages:
+apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge
 """
+
 import os
 import shutil
 import subprocess
@@ -14,7 +17,17 @@ from pathlib import Path
 
 from conftest import REPO, STAGES, free_port, stage_env
 
-COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel", "unshare")
+COMMANDS = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "scontrol",
+    "sinfo",
+    "squeue",
+    "scancel",
+    "unshare",
+)
 NODES = 2
 
 
@@ -23,7 +36,10 @@ def missing_requirement() -> str:
         return "the Slurm tests need root (they start munged, slurmctld and two slurmd)"
     missing = [d for d in COMMANDS if shutil.which(d) is None]
     if missing:
-        return f"missing {', '.join(missing)}: apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge"
+        packages = "slurmctld slurmd slurm-client munge"
+        return (
+            f"missing {', '.join(missing)}: apt-get install -y --no-install-recommends {packages}"
+        )
     return ""
 
 
@@ -57,13 +73,18 @@ def write_config(root: Path) -> dict:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     ports = [free_port() for _ in range(NODES + 1)]
-    hosts = Path("/etc/hosts").read_text() + "".join(f"127.0.1.{k} node{k}\n" for k in range(1, NODES + 1))
+    hosts = Path("/etc/hosts").read_text() + "".join(
+        f"127.0.1.{k} node{k}\n" for k in range(1, NODES + 1)
+    )
     (root / "etc" / "hosts").write_text(hosts)
     (root / "etc" / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
-    nodes = "".join(f"NodeName=node{k} NodeHostname=node{k} NodeAddr=127.0.1.{k} Port={ports[k]} CPUs=64 "
-                    f"RealMemory=1000 State=UNKNOWN\n" for k in range(1, NODES + 1))
+    nodes = "".join(
+        f"NodeName=node{k} NodeHostname=node{k} NodeAddr=127.0.1.{k} Port={ports[k]} CPUs=64 "
+        f"RealMemory=1000 State=UNKNOWN\n"
+        for k in range(1, NODES + 1)
+    )
     (root / "etc" / "slurm.conf").write_text(f"""ClusterName=test
-SlurmctldHost={os.uname().nodename.split('.')[0]}(127.0.0.1)
+SlurmctldHost={os.uname().nodename.split(".")[0]}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort={ports[0]}
@@ -102,31 +123,61 @@ class ClusterError(Exception):
 
 
 def start(root: Path) -> dict:
-    """munged, slurmctld and one slurmd per node, all idle; returns the environment for Slurm's commands."""
+    """munged, slurmctld and one slurmd per node, all idle: the environment for Slurm's commands."""
     env = write_config(root)
-    subprocess.run(["munged", f"--key-file={root}/munge/munge.key", f"--socket={root}/munge/munge.socket.2",
-                    f"--pid-file={root}/munge/munged.pid", f"--log-file={root}/munge/munged.log",
-                    f"--seed-file={root}/munge/munged.seed"], check=True, env=env, timeout=30)
+    subprocess.run(
+        [
+            "munged",
+            f"--key-file={root}/munge/munge.key",
+            f"--socket={root}/munge/munge.socket.2",
+            f"--pid-file={root}/munge/munged.pid",
+            f"--log-file={root}/munge/munged.log",
+            f"--seed-file={root}/munge/munged.seed",
+        ],
+        check=True,
+        env=env,
+        timeout=30,
+    )
     subprocess.run(["slurmctld", "-i"], check=True, env=env, timeout=30)
     for k in range(1, NODES + 1):
-        subprocess.run(["unshare", "--uts", "--mount", "--propagation", "private", "--", "sh", "-c",
-                        f"hostname node{k} && mount --bind {root}/etc/hosts /etc/hosts && exec slurmd -N node{k}"],
-                       check=True, env=env, timeout=30)
+        subprocess.run(
+            [
+                "unshare",
+                "--uts",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                f"hostname node{k} && mount --bind {root}/etc/hosts /etc/hosts "
+                f"&& exec slurmd -N node{k}",
+            ],
+            check=True,
+            env=env,
+            timeout=30,
+        )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        states = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True).stdout
+        states = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True
+        ).stdout
         if states.split() == ["idle"] * NODES:
             return env
         time.sleep(0.1)
-    raise ClusterError("the Slurm nodes did not come up:\n" + "\n".join(
-        p.read_text()[-2000:] for p in (root / "log").glob("*.log")))
+    raise ClusterError(
+        "the Slurm nodes did not come up:\n"
+        + "\n".join(p.read_text()[-2000:] for p in (root / "log").glob("*.log"))
+    )
 
 
 def stop(root: Path) -> None:
     """Cancel the jobs (slurmstepd outlives slurmd), then stop every daemon by the PID it wrote."""
     env = dict(os.environ, SLURM_CONF=str(root / "etc" / "slurm.conf"))
     if (root / "run" / "slurmctld.pid").exists():
-        jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
+        jobs = subprocess.run(
+            ["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True
+        ).stdout.split()
         if jobs:
             subprocess.run(["scancel", *jobs], env=env, timeout=10)
             time.sleep(1)
@@ -136,10 +187,14 @@ def stop(root: Path) -> None:
 
 
 def submit_all(env: dict, root: Path) -> dict:
-    """Each batch file, unmodified, from its own copy of the repository, all at once, as a user with the project's
-    environment active: sbatch --wait --gpus-per-node=0 slurm/STAGE.sh 1 1. {stage: (folder, result, job log)}.
-    multinode.sh starts one process per node (CPU_PROCS=1): two nodes are enough to span, and the machine is busy."""
-    env = dict(stage_env(SLURM_CONF=env["SLURM_CONF"]), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    """Each batch file, unmodified, from its own copy of the repository, all at once, as a user
+    with the project's environment active: sbatch --wait --gpus-per-node=0 slurm/STAGE.sh 1 1.
+    {stage: (folder, result, job log)}. multinode.sh starts one process per node (CPU_PROCS=1):
+    two nodes are enough to span, and the machine is busy."""
+    env = dict(
+        stage_env(SLURM_CONF=env["SLURM_CONF"]),
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
     env.pop("PYTHONPATH")  # no test hooks
 
     def submit(stage: str) -> tuple:
@@ -147,12 +202,17 @@ def submit_all(env: dict, root: Path) -> dict:
         cwd.mkdir()
         for name in [f"{s}.py" for s in STAGES] + ["slurm"]:
             (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, cwd / name)
-        result = subprocess.run(["sbatch", "--wait", "--gpus-per-node=0", f"slurm/{stage}.sh", "1", "1"], cwd=cwd,
-                                env=dict(env, CPU_PROCS="1" if stage == "multinode" else "2"), capture_output=True,
-                                text=True, timeout=300)
+        result = subprocess.run(
+            ["sbatch", "--wait", "--gpus-per-node=0", f"slurm/{stage}.sh", "1", "1"],
+            cwd=cwd,
+            env=dict(env, CPU_PROCS="1" if stage == "multinode" else "2"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         job = result.stdout.split()[-1] if result.stdout.split() else "?"
         out = cwd / f"{stage}-{job}.out"
         return cwd, result, out.read_text() if out.exists() else ""
 
     with ThreadPoolExecutor(max_workers=len(STAGES)) as pool:
-        return dict(zip(STAGES, pool.map(submit, STAGES)))
+        return dict(zip(STAGES, pool.map(submit, STAGES), strict=True))

@@ -1,4 +1,6 @@
-"""Bad input gets one clear line and a non-zero exit, never a traceback, and leaves an existing snapshot untouched."""
+"""Bad input gets one clear line and a non-zero exit, never a traceback, and leaves an existing
+snapshot untouched."""
+
 import contextlib
 import io
 import runpy
@@ -13,17 +15,26 @@ from conftest import REPO, write_bad_snapshot
 
 
 def run_in_process(stage: str, args: list, monkeypatch) -> str:
-    """Run a script's __main__ here (torch is already imported, so each case takes milliseconds): it must exit with
-    one line, the message, and print nothing else, warnings included."""
+    """Run a script's __main__ here (torch is already imported: each case takes milliseconds). It
+    must exit with one line, the message, and print nothing else, warnings included."""
     monkeypatch.setattr(sys, "argv", [f"{stage}.py", *map(str, args)])
     printed = io.StringIO()
-    with pytest.raises(SystemExit) as exit_info, warnings.catch_warnings(record=True) as warned, \
-            contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+    with (
+        pytest.raises(SystemExit) as exit_info,
+        warnings.catch_warnings(record=True) as warned,
+        contextlib.redirect_stdout(printed),
+        contextlib.redirect_stderr(printed),
+    ):
         warnings.simplefilter("always")
         runpy.run_path(str(REPO / f"{stage}.py"), run_name="__main__")
     message = exit_info.value.code
-    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
-    assert not printed.getvalue() and not warned, (printed.getvalue(), [str(w.message) for w in warned])
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, (
+        message
+    )
+    assert not printed.getvalue() and not warned, (
+        printed.getvalue(),
+        [str(w.message) for w in warned],
+    )
     return message
 
 
@@ -34,12 +45,25 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["0", "1"], "argument total_epochs"), (["-1", "1"], "argument total_epochs"), (["x", "1"], "argument total_epochs"),
-    (["1.5", "1"], "argument total_epochs"), (["2", "0"], "argument save_every"), (["--total_epochs", "0"], "total_epochs"),
-    (["2", "1", "--batch_size", "0"], "--batch_size"), (["2", "1", "--batch_size", "many"], "--batch_size"),
-    (["2", "1", "--arch", "resnet_9000"], "unknown --arch resnet_9000"), (["2", "1", "3"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["0", "1"], "argument total_epochs"),
+        (["-1", "1"], "argument total_epochs"),
+        (["x", "1"], "argument total_epochs"),
+        (["1.5", "1"], "argument total_epochs"),
+        (["2", "0"], "argument save_every"),
+        (["--total_epochs", "0"], "total_epochs"),
+        (["2", "1", "--batch_size", "0"], "--batch_size"),
+        (["2", "1", "--batch_size", "many"], "--batch_size"),
+        (["2", "1", "--arch", "resnet_9000"], "unknown --arch resnet_9000"),
+        (["2", "1", "3"], "unrecognized arguments"),
+        (["2", "1", "--grad_accum", "0"], "--grad_accum"),
+        (["2", "1", "--precision", "fp16"], "--precision"),
+        (["2", "1", "--augment", "rotate"], "--augment"),
+        (["2", "1", "--augment", "flip"], "--augment needs --data_dir"),
+    ],
+)
 def test_bad_arguments(workdir, monkeypatch, args, expected):
     assert expected in run_in_process("single_gpu", args, monkeypatch)
 
@@ -50,11 +74,25 @@ def test_torchrun_scripts_started_with_python_say_how_to_launch(workdir, monkeyp
     assert "with torchrun" in run_in_process(stage, ["2", "1"], monkeypatch)
 
 
+@pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
+def test_restarts_over_torchruns_shared_store_are_refused(workdir, monkeypatch, stage):
+    """What torchrun --max-restarts=1 sets without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
+    for name, value in (("LOCAL_RANK", "0"), ("TORCHELASTIC_MAX_RESTARTS", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    message = run_in_process(stage, ["2", "1"], monkeypatch)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in message
+
+
 def test_world_size(workdir, monkeypatch):
-    assert "--world_size" in run_in_process("multigpu", ["2", "1", "--world_size", "0"], monkeypatch)
+    assert "--world_size" in run_in_process(
+        "multigpu", ["2", "1", "--world_size", "0"], monkeypatch
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with 2 GPUs
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert "--world_size: invalid choice: 3" in run_in_process("multigpu", ["2", "1", "--world_size", "3"], monkeypatch)
+    assert "--world_size: invalid choice: 3" in run_in_process(
+        "multigpu", ["2", "1", "--world_size", "3"], monkeypatch
+    )
 
 
 def test_master_port_in_use(workdir, monkeypatch):
@@ -62,7 +100,9 @@ def test_master_port_in_use(workdir, monkeypatch):
         busy.bind(("localhost", 0))
         busy.listen()
         monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
-        assert f"MASTER_PORT={busy.getsockname()[1]}" in run_in_process("multigpu", ["2", "1"], monkeypatch)
+        assert f"MASTER_PORT={busy.getsockname()[1]}" in run_in_process(
+            "multigpu", ["2", "1"], monkeypatch
+        )
 
 
 def make_bad_tree(root, case):
@@ -77,13 +117,16 @@ def make_bad_tree(root, case):
         for split, name in (("train", "a"), ("val", "b")):
             (root / split / name).mkdir(parents=True)
             from PIL import Image
+
             Image.new("RGB", (8, 8)).save(root / split / name / "0.png")
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "no_val", "no_images", "other_classes"])
 def test_bad_data_dir(workdir, monkeypatch, case):
     make_bad_tree(workdir / "data", case)
-    assert "--data_dir" in run_in_process("single_gpu", ["2", "1", "--data_dir", workdir / "data"], monkeypatch)
+    assert "--data_dir" in run_in_process(
+        "single_gpu", ["2", "1", "--data_dir", workdir / "data"], monkeypatch
+    )
 
 
 @pytest.mark.parametrize("case", ["garbage", "empty", "truncated", "other_model", "payload"])
@@ -100,11 +143,12 @@ def test_one_line_as_a_user_sees_it(runs):
     """The whole output of a real process, torch's import included, is the one line."""
     run = runs["no-torchrun"][1]
     assert run.returncode != 0 and run.output.strip() == (
-        "error: start multinode.py with torchrun, as the first lines of the file show"), run.output
+        "error: start multinode.py with torchrun (see its first lines)"
+    ), run.output
 
 
 def test_distributed_stage_refuses_a_bad_snapshot(runs):
-    """Every rank refuses the pickled payload (nothing runs), the job stops, the file stays as it was."""
+    """Every rank refuses the pickled payload (nothing runs), the job stops, the file is kept."""
     cwd, run = runs["bad-snapshot"]
     assert run.returncode != 0 and "error: cannot resume from snapshot.pt" in run.output, run.output
     assert "Traceback" not in run.output, run.output

@@ -1,7 +1,9 @@
-"""Failures: a crash while saving loses nothing, a dead rank ends the job, ranks never resume apart."""
+"""Failures: a crash while saving loses nothing, a dead rank ends the job, ranks never resume
+apart, restarts never hang, no run aborts at exit, and no worker outlives its launcher."""
+
 import pytest
 
-from conftest import DEAD_RANKS, EPOCHS, assert_bitwise_equal, load
+from conftest import DEAD_RANKS, EPOCHS, assert_bitwise_equal, load, processes_in
 
 
 @pytest.mark.parametrize("name", DEAD_RANKS)
@@ -12,13 +14,18 @@ def test_a_dead_rank_ends_the_job(runs, name):
 
 
 def test_crash_while_saving_keeps_the_previous_snapshot(reference_runs, runs):
-    """snapshot.pt still holds epoch 1, loads, and a restart resumes from it to the uninterrupted run's model."""
+    """snapshot.pt still holds epoch 1, loads, and a restart from it ends with the uninterrupted
+    run's model."""
     cwd, run = runs["save"]
     assert run.returncode == -9, run.output
     assert load(cwd / "snapshot.pt")["epoch"] == 1
-    assert (cwd / "snapshot.pt.tmp").exists()  # the half-written file never took snapshot.pt's place
+    assert (
+        cwd / "snapshot.pt.tmp"
+    ).exists()  # the half-written file never took snapshot.pt's place
     cwd, run = runs["save-resume"]  # the same folder, copied, started again
-    assert run.returncode == 0 and [e[0] for e in run.epochs()] == list(range(2, EPOCHS + 1)), run.output
+    assert run.returncode == 0 and [e[0] for e in run.epochs()] == list(range(2, EPOCHS + 1)), (
+        run.output
+    )
     uninterrupted = reference_runs["single_gpu"][0] / f"snapshot.pt.epoch{EPOCHS}"
     assert_bitwise_equal(load(cwd / "snapshot.pt"), load(uninterrupted))
 
@@ -26,6 +33,39 @@ def test_crash_while_saving_keeps_the_previous_snapshot(reference_runs, runs):
 def test_ranks_that_see_different_snapshots_stop_together(runs):
     """Nobody trains from scratch while rank 0 resumes; the snapshot is left as it was."""
     cwd, run = runs["apart"]
-    assert run.returncode != 0 and "error: ranks resume from different snapshots: put snapshot.pt" in run.output, run.output
+    assert (
+        run.returncode != 0
+        and "error: ranks resume from different snapshots: share snapshot.pt" in run.output
+    ), run.output
     assert "Epoch" not in run.output and not (cwd.parent / "node1" / "snapshot.pt").exists()
     assert load(cwd / "snapshot.pt")["epoch"] == 2
+
+
+@pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
+def test_restarts_without_the_variable_stop_before_any_work(runs, stage):
+    """torchrun --max-restarts=1 as most tutorials show it: rather than fail or hang after the
+    kill, every worker stops at start with the line that says what to set."""
+    cwd, run = runs[f"plain-{stage}"]
+    assert run.returncode != 0 and "Epoch" not in run.output, run.output
+    assert "error: with --max-restarts, run TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in run.output
+    assert run.seconds < 60 and not processes_in(cwd), run.output
+
+
+@pytest.mark.parametrize("run_index", range(3))
+def test_ten_epoch_runs_exit_cleanly(runs, run_index):
+    """No abort as the workers exit (it took about 1 in 30 such runs before)."""
+    cwd, run = runs[f"ten-epochs-{run_index}"]
+    assert run.returncode == 0 and len(run.epochs()) == 10, run.output
+    assert "terminate called" not in run.output and not processes_in(cwd), run.output
+    assert load(cwd / "snapshot.pt")["epoch"] == 10
+
+
+@pytest.mark.parametrize("stage", ["multigpu", "multigpu_torchrun"])
+def test_workers_stop_when_their_launcher_dies(runs, stage):
+    """The launcher (python multigpu.py, or torchrun) SIGKILLed after epoch 3 of 400: every
+    worker stops within seconds, and the last snapshot is whole."""
+    result = runs[f"orphans-{stage}"]
+    assert "Epoch 3 " in result["output"], result["output"]
+    assert result["gone"] is not None and result["gone"] < 10, result
+    snapshot = load(result["cwd"] / "snapshot.pt")  # epoch 3's, or epoch 2's if killed while saving
+    assert 2 <= snapshot["epoch"] < 400 and snapshot["model"]

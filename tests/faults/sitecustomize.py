@@ -1,12 +1,16 @@
-"""Fault injection and recording for the test suite, loaded by every Python process whose PYTHONPATH names this folder.
-
-It does nothing unless one of these variables is set (so the scripts themselves carry no test hooks):
-  FAULT_AT=raise|kill:RANK:EPOCH  that rank raises, or SIGKILLs itself, when it starts that epoch (0-based)
-  FAULT_ONCE=PATH                 ...only if PATH does not exist yet (it is created first), so a restart runs clean
-  SAVE_KILL_AT=N                  the N-th torch.save of a process writes half the snapshot, then SIGKILLs itself
+"""Fault injection and recording for the test suite: every Python process whose PYTHONPATH
+names this folder loads it. It does nothing unless one of these variables is set, so the scripts
+themselves carry no test hooks:
+  FAULT_AT=raise|kill:RANK:EPOCH  that rank raises, or SIGKILLs itself, as it starts that epoch
+                                  (0-based)
+  FAULT_ONCE=PATH                 ...only if PATH does not exist yet (it is created first), so a
+                                  restart runs clean
+  SAVE_KILL_AT=N                  the N-th torch.save of a process writes half the snapshot, then
+                                  SIGKILLs itself
   KEEP_SNAPSHOTS=1                after each atomic rename, copy the snapshot to PATH.epochN
-  RECORD_DIR=DIR                  write the sample indices each rank trains on and evaluates to DIR
+  RECORD_DIR=DIR                  write the sample indices each rank trains on and evaluates
 """
+
 import os
 
 if any(os.environ.get(k) for k in ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR")):
@@ -29,7 +33,11 @@ if any(os.environ.get(k) for k in ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS",
 
         def set_epoch(self, epoch):
             marker = os.environ.get("FAULT_ONCE", "")
-            if _rank() == int(_rank_at) and epoch == int(_epoch_at) and not (marker and os.path.exists(marker)):
+            if (
+                _rank() == int(_rank_at)
+                and epoch == int(_epoch_at)
+                and not (marker and os.path.exists(marker))
+            ):
                 if marker:
                     open(marker, "w").close()
                 if _action == "kill":
@@ -70,13 +78,20 @@ if any(os.environ.get(k) for k in ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS",
 
         def sampler_iter(self):
             indices = list(_iter(self))
-            with open(os.path.join(os.environ["RECORD_DIR"], f"train-rank{_rank()}-epoch{self.epoch}.json"), "w") as f:
+            with open(
+                os.path.join(
+                    os.environ["RECORD_DIR"], f"train-rank{_rank()}-epoch{self.epoch}.json"
+                ),
+                "w",
+            ) as f:
                 json.dump(indices, f)
             return iter(indices)
 
         def loader_init(self, dataset, *args, **kwargs):
             if kwargs.get("sampler") is None and isinstance(dataset, Subset):
-                with open(os.path.join(os.environ["RECORD_DIR"], f"val-rank{_rank()}.json"), "w") as f:
+                with open(
+                    os.path.join(os.environ["RECORD_DIR"], f"val-rank{_rank()}.json"), "w"
+                ) as f:
                     json.dump(list(dataset.indices), f)
             _loader_init(self, dataset, *args, **kwargs)
 
