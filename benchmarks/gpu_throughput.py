@@ -1,0 +1,197 @@
+"""Each stage's training throughput on one GPU against the two bounds it cannot beat.
+
+    python benchmarks/gpu_throughput.py                   # ResNet-18, 10,000 PNGs, fp32 and bf16
+    python benchmarks/gpu_throughput.py --compile         # the same with --compile everywhere
+    python benchmarks/gpu_throughput.py --device cpu --images 256 --batches 16 --epochs 2
+
+For every batch size and precision it measures, in this order:
+  loader     the stages' data loader alone (same folder, transforms, workers, pinned memory)
+  bare step  ResNet-18's training step on tensors already on the GPU, with the stages' optimizer,
+             precision, memory layout and (with --compile) compiler: no data loading at all
+  stages     each script as a user launches it on one GPU (world size 1), samples/s as it logs
+             them: the median of epochs 2 and later (the first one pays for start-up)
+and prints each stage's share of min(loader, bare step). Goal: 0.85 or more everywhere.
+"""
+
+import argparse
+import importlib.util
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+STAGES = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
+RATE = re.compile(r"^Epoch (\d+) \| .* \| (\d+) samples/s$", re.M)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_gpu():
+    """single_gpu.py as a module: its setup(), load_datasets() and build_model()."""
+    spec = importlib.util.spec_from_file_location("single_gpu", REPO / "single_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_folder(root: Path, images: int, val: int, classes: int = 10) -> None:
+    """32x32 RGB PNGs, DIR/{train,val}/CLASS/: a colour per class under noise."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    colours = torch.rand(classes, 3, generator=generator) * 200
+    for split, count in (("train", images), ("val", val)):
+        for c in range(classes):
+            (root / split / f"class{c}").mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            noise = 55 * torch.rand(32, 32, 3, generator=generator)
+            pixels = (colours[i % classes] + noise).clamp(0, 255).to(torch.uint8).numpy()
+            Image.fromarray(pixels).save(root / split / f"class{i % classes}" / f"{i}.png")
+
+
+def loader_rate(single, data_dir: Path, batch: int, device: torch.device, epochs: int) -> float:
+    """Samples/s of the stages' training loader alone, batches copied to the device."""
+    train_set, _, _ = single.load_datasets(str(data_dir), 32, "none")
+    loading = {}
+    if device.type == "cuda":  # as the stages do on GPUs
+        workers = torch.get_num_threads()
+        loading = {"num_workers": workers, "pin_memory": True, "persistent_workers": True}
+    loader = torch.utils.data.DataLoader(train_set, batch, shuffle=True, **loading)
+    rates = []
+    for _ in range(epochs):
+        start = time.perf_counter()
+        for source, targets in loader:
+            source.to(device, non_blocking=True)
+            targets.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates.append(len(train_set) / (time.perf_counter() - start))
+    return statistics.median(rates[1:])
+
+
+def bare_rate(single, opts: argparse.Namespace, batch: int, precision: str, device) -> float:
+    """Samples/s of the training step alone: what the stages do per batch, minus the data."""
+    torch.manual_seed(0)
+    model = single.build_model("resnet18", 10).to(device)
+    layout = torch.channels_last if device.type == "cuda" else torch.preserve_format
+    model.to(memory_format=layout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+    step_model = torch.compile(model, mode="reduce-overhead") if opts.compile else model
+    source = torch.randn(batch, 3, 32, 32, device=device).to(memory_format=layout)
+    targets = torch.randint(10, (batch,), device=device)
+
+    def step() -> None:
+        with torch.autocast(device.type, torch.bfloat16, enabled=precision == "bf16"):
+            loss = F.cross_entropy(step_model(source), targets, reduction="sum")
+        (loss / batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(opts.warmup):  # compiles, records CUDA graphs, picks cuDNN kernels
+        step()
+    rates = []
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(opts.steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates.append(opts.steps * batch / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def stage_rate(stage: str, opts, data_dir: Path, batch: int, precision: str, env: dict) -> float:
+    """Median samples/s over epochs 2.. of one run of a stage, launched as a user does."""
+    args = [str(opts.epochs), str(opts.epochs), "--data_dir", str(data_dir), "--arch", "resnet18"]
+    args += ["--batch_size", str(batch), "--precision", precision]
+    args += ["--compile"] if opts.compile else []
+    script = str(REPO / f"{stage}.py")
+    rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    command = {
+        "single_gpu": [sys.executable, script],
+        "multigpu": [sys.executable, script, "--world_size", "1"],
+        "multigpu_torchrun": [TORCHRUN, "--standalone", "--nproc_per_node=1", script],
+        "multinode": [TORCHRUN, "--nnodes=1", "--nproc_per_node=1", *rendezvous, script],
+    }[stage]
+    with tempfile.TemporaryDirectory() as cwd:
+        run = subprocess.run(command + args, cwd=cwd, env=env, capture_output=True, text=True)
+    output = run.stdout + run.stderr
+    rates = [int(rate) for epoch, rate in RATE.findall(output) if int(epoch) > 1]
+    if run.returncode or not rates:
+        sys.exit(f"error: {stage} failed:\n{output}")
+    warnings = [line for line in output.splitlines() if "Warning" in line or "warn" in line]
+    for line in warnings:  # the stages should print none
+        print(f"  {stage} printed: {line.strip()}", flush=True)
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--images", type=int, default=10_000, help="training PNGs (10,000)")
+    parser.add_argument("--val", type=int, default=500, help="held-out PNGs (500)")
+    parser.add_argument("--data_dir", help="use this folder instead of generating one")
+    parser.add_argument("--batches", default="32,256", help="batch sizes (32,256)")
+    parser.add_argument("--precisions", default="fp32,bf16", help="(fp32,bf16)")
+    parser.add_argument("--compile", action="store_true", help="--compile in every run")
+    parser.add_argument("--epochs", type=int, default=3, help="per stage run; the 1st is left out")
+    parser.add_argument("--steps", type=int, default=50, help="bare steps per timing (50)")
+    parser.add_argument("--warmup", type=int, default=10, help="bare steps before timing (10)")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated")
+    opts = parser.parse_args()
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: no GPU is visible (--device cpu runs it small, to try it)")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if opts.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    single = single_gpu()
+    device = single.setup(0, 1)  # the stages' threads, device and cuDNN settings
+    torch.backends.cudnn.benchmark = True
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
+    folder = tempfile.TemporaryDirectory()
+    data_dir = Path(opts.data_dir or folder.name)
+    if not opts.data_dir:
+        make_folder(data_dir, opts.images, opts.val)
+    compiled = "on" if opts.compile else "off"
+    print(f"{time.strftime('%Y-%m-%d')}; {name}; torch {torch.__version__}; ResNet-18", flush=True)
+    print(f"{opts.images} training PNGs of 32x32; --compile {compiled}", flush=True)
+    stages = opts.stages.split(",")
+    header = f"{'batch':>5} {'precision':>9} {'loader':>8} {'bare':>8}"
+    print(header + "".join(f" {s:>19}" for s in stages) + "  (samples/s, share of the bound)")
+    worst = 1.0
+    for batch in map(int, opts.batches.split(",")):
+        loader = loader_rate(single, data_dir, batch, device, opts.epochs)
+        for precision in opts.precisions.split(","):
+            bare = bare_rate(single, opts, batch, precision, device)
+            bound = min(loader, bare)
+            cells = []
+            for stage in stages:
+                rate = stage_rate(stage, opts, data_dir, batch, precision, env)
+                worst = min(worst, rate / bound)
+                cells.append(f" {rate:>11.0f} ({rate / bound:.2f})")
+            row = f"{batch:>5} {precision:>9} {loader:>8.0f} {bare:>8.0f}" + "".join(cells)
+            print(row, flush=True)
+    print(f"lowest share of min(loader, bare step): {worst:.2f} (goal: 0.85)")
+    folder.cleanup()
+
+
+if __name__ == "__main__":
+    main()
