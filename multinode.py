@@ -109,6 +109,7 @@ class Trainer:
         self.val_data = val_data
         self.device = device
         self.args = args
+        self.bf16 = args.precision == "bf16"  # autocast matrix work to bfloat16
         self.global_rank = dist.get_rank()  # unique in the job: rank 0 logs and writes snapshots
         self.epochs_run = self._load_snapshot()
         ends = torch.tensor([self.epochs_run, -self.epochs_run], device=device)
@@ -154,9 +155,7 @@ class Trainer:
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its summed loss."""
-        with torch.autocast(
-            self.device.type, torch.bfloat16, enabled=self.args.precision == "bf16"
-        ):
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()  # a mean, see README
         return loss_sum.detach()
@@ -200,9 +199,8 @@ class Trainer:
             loss_sum, samples, correct, evaluated = stats.tolist()  # the epoch's one host sync
             lr = self.optimizer.param_groups[0]["lr"]
             figures = f"loss {loss_sum / samples:.4f} | acc {correct / evaluated:.4f} | lr {lr:.2e}"
-            speed = (
-                f"batch {global_batch} | {samples / (time.perf_counter() - start):.0f} samples/s"
-            )
+            elapsed = time.perf_counter() - start
+            speed = f"batch {global_batch} | {samples / elapsed:.0f} samples/s"
             if self.global_rank == 0:
                 print(f"Epoch {epoch + 1} | {figures} | {speed}", flush=True)
             last = epoch + 1 == self.args.total_epochs
