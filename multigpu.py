@@ -7,11 +7,13 @@ else the CPU (CUDA_VISIBLE_DEVICES= forces it). Run again, it resumes from its l
 """
 
 import argparse
+import atexit
+import hashlib
 import os
 import pickle
+import signal
 import socket
 import sys
-import threading
 import time
 from contextlib import nullcontext
 
@@ -27,19 +29,14 @@ def setup(local_rank: int, local_world_size: int, global_rank: int) -> torch.dev
     """The one place that picks the hardware: CUDA when present, else the CPU."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, cores // local_world_size))  # local processes share the cores
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    gpus = torch.cuda.device_count()  # 1 where the launcher shows each process its own GPU
+    device = torch.device("cuda", local_rank % gpus) if gpus else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # where pinned memory and the backend's buffers go
     backend = dist.get_default_backend_for_device(device)  # NCCL between GPUs, gloo between CPUs
     dist.init_process_group(backend, rank=global_rank, device_id=device.index)  # WORLD_SIZE: env
-    threading.Thread(target=exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # orphans would hold the GPUs
     return device
-
-
-def exit_when_orphaned(launcher: int) -> None:  # orphans would train on, holding the GPUs
-    while os.getppid() == launcher:
-        time.sleep(1)
-    os._exit(1)  # at once: the last snapshot is whole (a half-written one is only a .tmp)
 
 
 def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Dataset, Dataset, int]:
@@ -87,6 +84,8 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
 
     if arch not in models.list_models(module=models):
         sys.exit(f"error: unknown --arch {arch}: use convnet or a torchvision classifier")
+    if arch in ("googlenet", "inception_v3"):  # auxiliary heads: outputs in tuples when training
+        sys.exit(f"error: --arch {arch} trains with auxiliary losses, which these scripts lack")
     return models.get_model(arch, num_classes=num_classes)
 
 
@@ -110,33 +109,45 @@ class Trainer:
         self.args = args
         self.bf16 = args.precision == "bf16"  # autocast matrix work to bfloat16
         self.global_rank = dist.get_rank()  # unique in the job: rank 0 logs and writes snapshots
-        self.epochs_run = self._load_snapshot()
-        ends = torch.tensor([self.epochs_run, -self.epochs_run], device=device)
-        dist.all_reduce(ends, op=dist.ReduceOp.MAX)  # the latest and (minus) the earliest start
-        if ends[0] != -ends[1]:  # every rank stops, so that none trains from another start
-            sys.exit(f"error: ranks resume from different snapshots: share {args.snapshot_path}")
+        loaded = [None] * dist.get_world_size()  # what each rank loaded, or why it could not:
+        dist.all_gather_object(loaded, self._load_snapshot())  # none waits for one that left
+        errors = [what for what in loaded if what.startswith("error:")]
+        if (
+            errors or len(set(loaded)) > 1
+        ):  # every rank stops, so that none trains from another start
+            dist.destroy_process_group()
+            apart = f"error: ranks resume from different snapshots: share {args.snapshot_path}"
+            sys.exit((errors + [apart])[0] if self.global_rank == 0 else 1)  # one line for the job
         self.train_model = nn.parallel.DistributedDataParallel(model)  # all-reduces gradients
-        if args.compile:  # fixed shapes; on GPUs CUDA graphs launch a whole step at once
-            self.train_model = torch.compile(self.train_model, mode="reduce-overhead")
+        if args.compile:  # fixed shapes; CUDA graphs launch a step at once, but each replay would
+            mode = "reduce-overhead" if args.grad_accum == 1 else None  # overwrite summed gradients
+            self.train_model = torch.compile(self.train_model, mode=mode)
 
-    def _load_snapshot(self) -> int:
+    def _load_snapshot(self) -> str:
+        """Sets epochs_run; returns what was loaded (a digest, or "none") or an error line."""
         path = self.args.snapshot_path
+        self.epochs_run = 0  # no snapshot yet: start at epoch 0
         if not os.path.exists(path):
-            return 0  # no snapshot yet: start at epoch 0
+            return "none"
         try:  # weights_only=True: tensors and plain data only, never code from the file
             snapshot = torch.load(path, map_location=self.device, weights_only=True)
             self.model.load_state_dict(snapshot["model"])
             self.optimizer.load_state_dict(snapshot["optimizer"])
-            epochs_run = int(snapshot["epoch"])
+            self.epochs_run = int(snapshot["epoch"])
             planned = int(snapshot.get("total_epochs", self.args.total_epochs))
         except pickle.UnpicklingError:  # pickled objects, or not a snapshot at all: nothing ran
-            sys.exit(f"error: cannot resume from {path}: not a file of tensors and plain data")
+            return f"error: cannot resume from {path}: not a file of tensors and plain data"
         except Exception as e:  # truncated, another model...: say which
-            sys.exit(f"error: cannot resume from {path}: {' '.join(str(e).split())[:300]}")
+            return f"error: cannot resume from {path}: {' '.join(str(e).split())[:300]}"
+        for param, state in self.optimizer.state.items():  # moments in their parameter's layout
+            for key, value in state.items():  # (channels-last on GPUs): fused AdamW needs it
+                if value.dim() and value.shape == param.shape:
+                    state[key] = torch.empty_like(param).copy_(value)
         total = self.args.total_epochs
-        if self.global_rank == 0 and planned != total and epochs_run < total:
+        if self.global_rank == 0 and planned != total and self.epochs_run < total:
             print(f"Resuming a {planned}-epoch run: the learning rate now decays to 0 at {total}")
-        return epochs_run
+        with open(path, "rb") as f:  # the same bytes on every rank, or they resume apart
+            return hashlib.sha256(f.read()).hexdigest()
 
     def _save_snapshot(self, epochs_run: int) -> None:
         snapshot = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -208,14 +219,18 @@ class Trainer:
 
 
 def main(local_rank: int, args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)  # the same initial weights in every stage
+    try:  # each rank finds the same faults in the same input: rank 0 alone says them, once
+        train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
+        model = build_model(args.arch, classes)  # both before the process group starts
+    except SystemExit as e:
+        sys.exit(e.code if local_rank == 0 else 1)
     device = setup(local_rank, args.world_size, local_rank)  # one machine: global = local rank
     if args.deterministic:  # before the first CUDA kernel: cuBLAS reads this once
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic  # time kernels once, keep the fastest
-    train_set, val_set, num_classes = load_datasets(args.data_dir, args.image_size, args.augment)
-    torch.manual_seed(args.seed)  # the same initial weights in every stage
-    model = build_model(args.arch, num_classes).to(device)
+    model.to(device)
     if device.type == "cuda":  # BatchNorm's statistics over all ranks (GPUs only)
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     fused = device.type == "cuda"  # one kernel updates all parameters
@@ -224,15 +239,17 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))  # a shard
     loading = {}  # on the CPU the training process loads the data: workers would take its cores
     if device.type == "cuda":  # worker processes prepare the next batches while the GPU trains
-        loading = {"num_workers": torch.get_num_threads(), "pin_memory": True}
-        loading["persistent_workers"] = args.augment == "none"  # else seeded anew: exact resume
-    train_data = DataLoader(
-        train_set, args.batch_size, sampler=sampler, drop_last=args.compile, **loading
-    )
-    val_data = DataLoader(val_set, 2 * args.batch_size, **loading)
+        loading = {"num_workers": min(8, torch.get_num_threads()), "pin_memory": True}  # timm: 4
+    persistent = bool(loading) and args.augment == "none"  # else seeded anew: exact resume
+    drop_last = args.compile and len(sampler) >= args.batch_size  # compiled: one batch shape
+    train = {"sampler": sampler, "drop_last": drop_last, "persistent_workers": persistent}
+    train_data = DataLoader(train_set, args.batch_size, **train, **loading)
+    val_data = DataLoader(val_set, 2 * args.batch_size, **loading)  # workers only while evaluating
     Trainer(model, optimizer, train_data, val_data, device, args).train()
     dist.destroy_process_group()
-    os._exit(0)  # DDP keeps gloo's threads alive, and they can abort Python's exit: README
+    atexit._run_exitfuncs()  # what Python's exit runs: logging's, trackers' and your handlers
+    sys.stdout.flush()  # and prints still buffered (under Slurm stdout is a file)
+    os._exit(0)  # but not the rest: DDP keeps gloo's threads alive, and they can abort it: README
 
 
 if __name__ == "__main__":
@@ -273,5 +290,5 @@ if __name__ == "__main__":
         torch.multiprocessing.spawn(main, args=(args,), nprocs=args.world_size)  # main(rank, args)
     except OSError as e:
         sys.exit(f"error: MASTER_PORT={os.environ.get('MASTER_PORT')}: {e}; choose a free one")
-    except torch.multiprocessing.ProcessExitedException as e:  # the rank said why, or was killed
-        sys.exit(f"error: {e}, so the job stopped")
+    except torch.multiprocessing.ProcessExitedException as e:  # killed, or exited after its line
+        sys.exit(f"error: {e}, so the job stopped" if e.signal_name else e.exit_code)

@@ -7,6 +7,7 @@ else the CPU (CUDA_VISIBLE_DEVICES= forces it). Run again, it resumes from its l
 """
 
 import argparse
+import hashlib
 import os
 import pickle
 import sys
@@ -23,7 +24,8 @@ def setup(local_rank: int, local_world_size: int) -> torch.device:
     """The one place that picks the hardware: CUDA when present, else the CPU."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, cores // local_world_size))  # local processes share the cores
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    gpus = torch.cuda.device_count()  # 1 where the launcher shows each process its own GPU
+    device = torch.device("cuda", local_rank % gpus) if gpus else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # where pinned memory and the backend's buffers go
     return device
@@ -74,6 +76,8 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
 
     if arch not in models.list_models(module=models):
         sys.exit(f"error: unknown --arch {arch}: use convnet or a torchvision classifier")
+    if arch in ("googlenet", "inception_v3"):  # auxiliary heads: outputs in tuples when training
+        sys.exit(f"error: --arch {arch} trains with auxiliary losses, which these scripts lack")
     return models.get_model(arch, num_classes=num_classes)
 
 
@@ -97,29 +101,43 @@ class Trainer:
         self.args = args
         self.bf16 = args.precision == "bf16"  # autocast matrix work to bfloat16
         self.global_rank = 0  # the only process: it logs and writes snapshots
-        self.epochs_run = self._load_snapshot()
+        loaded = [self._load_snapshot()]  # what each process loaded, or why it could not
+        errors = [what for what in loaded if what.startswith("error:")]
+        if (
+            errors or len(set(loaded)) > 1
+        ):  # every rank stops, so that none trains from another start
+            apart = f"error: ranks resume from different snapshots: share {args.snapshot_path}"
+            sys.exit((errors + [apart])[0] if self.global_rank == 0 else 1)  # one line for the job
         self.train_model = model  # what the training step calls
-        if args.compile:  # fixed shapes; on GPUs CUDA graphs launch a whole step at once
-            self.train_model = torch.compile(self.train_model, mode="reduce-overhead")
+        if args.compile:  # fixed shapes; CUDA graphs launch a step at once, but each replay would
+            mode = "reduce-overhead" if args.grad_accum == 1 else None  # overwrite summed gradients
+            self.train_model = torch.compile(self.train_model, mode=mode)
 
-    def _load_snapshot(self) -> int:
+    def _load_snapshot(self) -> str:
+        """Sets epochs_run; returns what was loaded (a digest, or "none") or an error line."""
         path = self.args.snapshot_path
+        self.epochs_run = 0  # no snapshot yet: start at epoch 0
         if not os.path.exists(path):
-            return 0  # no snapshot yet: start at epoch 0
+            return "none"
         try:  # weights_only=True: tensors and plain data only, never code from the file
             snapshot = torch.load(path, map_location=self.device, weights_only=True)
             self.model.load_state_dict(snapshot["model"])
             self.optimizer.load_state_dict(snapshot["optimizer"])
-            epochs_run = int(snapshot["epoch"])
+            self.epochs_run = int(snapshot["epoch"])
             planned = int(snapshot.get("total_epochs", self.args.total_epochs))
         except pickle.UnpicklingError:  # pickled objects, or not a snapshot at all: nothing ran
-            sys.exit(f"error: cannot resume from {path}: not a file of tensors and plain data")
+            return f"error: cannot resume from {path}: not a file of tensors and plain data"
         except Exception as e:  # truncated, another model...: say which
-            sys.exit(f"error: cannot resume from {path}: {' '.join(str(e).split())[:300]}")
+            return f"error: cannot resume from {path}: {' '.join(str(e).split())[:300]}"
+        for param, state in self.optimizer.state.items():  # moments in their parameter's layout
+            for key, value in state.items():  # (channels-last on GPUs): fused AdamW needs it
+                if value.dim() and value.shape == param.shape:
+                    state[key] = torch.empty_like(param).copy_(value)
         total = self.args.total_epochs
-        if self.global_rank == 0 and planned != total and epochs_run < total:
+        if self.global_rank == 0 and planned != total and self.epochs_run < total:
             print(f"Resuming a {planned}-epoch run: the learning rate now decays to 0 at {total}")
-        return epochs_run
+        with open(path, "rb") as f:  # the same bytes on every rank, or they resume apart
+            return hashlib.sha256(f.read()).hexdigest()
 
     def _save_snapshot(self, epochs_run: int) -> None:
         snapshot = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -189,26 +207,27 @@ class Trainer:
 
 
 def main(local_rank: int, args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)  # the same initial weights in every stage
+    train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
+    model = build_model(args.arch, classes)  # both before the process group starts
     device = setup(local_rank, 1)  # one process on this machine
     if args.deterministic:  # before the first CUDA kernel: cuBLAS reads this once
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic  # time kernels once, keep the fastest
-    train_set, val_set, num_classes = load_datasets(args.data_dir, args.image_size, args.augment)
-    torch.manual_seed(args.seed)  # the same initial weights in every stage
-    model = build_model(args.arch, num_classes).to(device)
+    model.to(device)
     fused = device.type == "cuda"  # one kernel updates all parameters
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=fused)
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)  # the order
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))  # a shard
     loading = {}  # on the CPU the training process loads the data: workers would take its cores
     if device.type == "cuda":  # worker processes prepare the next batches while the GPU trains
-        loading = {"num_workers": torch.get_num_threads(), "pin_memory": True}
-        loading["persistent_workers"] = args.augment == "none"  # else seeded anew: exact resume
-    train_data = DataLoader(
-        train_set, args.batch_size, sampler=sampler, drop_last=args.compile, **loading
-    )
-    val_data = DataLoader(val_set, 2 * args.batch_size, **loading)
+        loading = {"num_workers": min(8, torch.get_num_threads()), "pin_memory": True}  # timm: 4
+    persistent = bool(loading) and args.augment == "none"  # else seeded anew: exact resume
+    drop_last = args.compile and len(sampler) >= args.batch_size  # compiled: one batch shape
+    train = {"sampler": sampler, "drop_last": drop_last, "persistent_workers": persistent}
+    train_data = DataLoader(train_set, args.batch_size, **train, **loading)
+    val_data = DataLoader(val_set, 2 * args.batch_size, **loading)  # workers only while evaluating
     Trainer(model, optimizer, train_data, val_data, device, args).train()
 
 
