@@ -33,7 +33,14 @@ EPOCH_LINE = re.compile(
     r"(\d+) samples/s$",
     re.M,
 )
-TEST_HOOKS = ("FAULT_", "SAVE_KILL", "KEEP_SNAP", "RECORD_DIR", "TORCH_DISABLE_SHARE_RDZV")
+TEST_HOOKS = (
+    "FAULT_",
+    "SAVE_KILL",
+    "KEEP_SNAP",
+    "RECORD_DIR",
+    "EXIT_HOOKS",
+    "TORCH_DISABLE_SHARE_RDZV",
+)
 
 
 def free_port() -> int:
@@ -266,8 +273,9 @@ def single_gpu():
     return module
 
 
-def write_snapshot(path: Path, epoch: int) -> None:
-    """A valid snapshot of the default model, as the stages write it."""
+def write_snapshot(path: Path, epoch: int, seed: int = 0) -> None:
+    """A valid snapshot of the default model, as the stages write it (weights from `seed`)."""
+    torch.manual_seed(seed)
     model = single_gpu().build_model("convnet", 10)
     optimizer = torch.optim.AdamW(model.parameters())
     snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
@@ -321,11 +329,14 @@ def kill_launcher_after(stage: str, epoch: int, cwd: Path, timeout: float = 300)
     kill until no process works in cwd (None: some still did after 30 s), "output": ...}."""
     (proc,) = start(stage, [400, 1], cwd)
     begin = time.monotonic()
+    deadline = threading.Timer(timeout, proc.kill)  # a silent hang ends too: the output stops
+    deadline.start()
     lines = []
     for line in proc.stdout:  # the launcher's own output, workers' included, until the kill
         lines.append(line)
-        if line.startswith(f"Epoch {epoch} ") or time.monotonic() - begin > timeout:
+        if line.startswith(f"Epoch {epoch} "):
             break
+    deadline.cancel()
     killed = time.monotonic()
     proc.kill()
     proc.wait()
@@ -445,11 +456,29 @@ def runs(tmp_path_factory):
     cifar = ["--arch", "resnet18", "--augment", "crop+flip", "--batch_size", 16]
     args = [2, 2, "--data_dir", cwd / "data", *cifar]
     runs.start("cifar-flags", cwd, stage="single_gpu", args=args)
+    # Snapshots that differ between two nodes: another file of the same epoch; one unreadable.
+    for name, second in (("apart-same-epoch", "other"), ("apart-unreadable", "garbage")):
+        nodes = folder(f"{name}-node0"), folder(f"{name}-node1")
+        write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
+        if second == "other":
+            write_snapshot(nodes[1] / "snapshot.pt", epoch=2, seed=1)
+        else:
+            write_bad_snapshot(nodes[1] / "snapshot.pt", second)
+        args = [4, 1, "--batch_size", 32]
+        runs.start(name, nodes[0], stage="multinode", args=args, node_cwds=nodes)
+    # A user's atexit handler and unflushed print in every process, output not a terminal.
+    for stage in STAGES[1:]:
+        cwd = folder(f"exit-hooks-{stage}")
+        env = stage_env(EXIT_HOOKS=str(cwd))
+        env.pop("PYTHONUNBUFFERED")
+        runs.start(f"exit-hooks-{stage}", cwd, stage=stage, args=[1, 1], env=env)
     # Bad input, as a user sees it (test_errors.py).
     runs.start("no-torchrun", folder("no-torchrun"), stage="multinode", args=[2, 1], nproc=0)
     cwd = folder("bad-snapshot")
     write_bad_snapshot(cwd / "snapshot.pt", "payload")
     runs.start("bad-snapshot", cwd, stage="multigpu", args=[2, 1])
+    for name, bad in (("data_dir", ["--data_dir", "missing"]), ("arch", ["--arch", "googlenet"])):
+        runs.start(f"bad-{name}", folder(f"bad-{name}"), stage="multigpu", args=[2, 1, *bad])
     yield runs
     runs.pool.shutdown()
 

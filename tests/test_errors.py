@@ -153,3 +153,17 @@ def test_distributed_stage_refuses_a_bad_snapshot(runs):
     assert run.returncode != 0 and "error: cannot resume from snapshot.pt" in run.output, run.output
     assert "Traceback" not in run.output, run.output
     assert not (cwd / "payload-ran").exists() and not list(cwd.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("name", ["bad-data_dir", "bad-arch"])
+def test_distributed_stage_says_an_input_error_once(runs, name):
+    """Every rank finds it: the job prints the line once (the launcher adds none), no traceback."""
+    run = runs[name][1]
+    assert run.returncode != 0 and run.output.count("error: ") == 1, run.output
+    assert "Traceback" not in run.output and "so the job stopped" not in run.output, run.output
+
+
+def test_googlenet_is_refused_in_one_line(workdir, monkeypatch):
+    assert "auxiliary" in run_in_process(
+        "single_gpu", ["2", "1", "--arch", "googlenet"], monkeypatch
+    )

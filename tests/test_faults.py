@@ -1,9 +1,11 @@
 """Failures: a crash while saving loses nothing, a dead rank ends the job, ranks never resume
 apart, restarts never hang, no run aborts at exit, and no worker outlives its launcher."""
 
+import re
+
 import pytest
 
-from conftest import DEAD_RANKS, EPOCHS, assert_bitwise_equal, load, processes_in
+from conftest import DEAD_RANKS, EPOCHS, STAGES, assert_bitwise_equal, load, processes_in
 
 
 @pytest.mark.parametrize("name", DEAD_RANKS)
@@ -69,3 +71,25 @@ def test_workers_stop_when_their_launcher_dies(runs, stage):
     assert result["gone"] is not None and result["gone"] < 10, result
     snapshot = load(result["cwd"] / "snapshot.pt")  # epoch 3's, or epoch 2's if killed while saving
     assert 2 <= snapshot["epoch"] < 400 and snapshot["model"]
+
+
+@pytest.mark.parametrize("stage", STAGES[1:])
+def test_user_exit_code_runs_in_every_process(runs, stage):
+    """An atexit handler and an unflushed print, as a user adds them, with stdout not a terminal:
+    every process that printed also ran its handler, the workers included."""
+    cwd, run = runs[f"exit-hooks-{stage}"]
+    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
+    printed = set(re.findall(r"^unflushed line from (\d+)$", run.output, re.M))
+    handled = {path.name.split("-")[1] for path in cwd.glob("atexit-*")}
+    workers = 2  # besides one launcher per node
+    assert len(printed) >= workers + 1 and printed == handled, (printed, handled, run.output)
+
+
+@pytest.mark.parametrize("name", ["apart-same-epoch", "apart-unreadable"])
+def test_ranks_that_load_different_files_stop_at_once(runs, name):
+    """Two files of the same epoch, or one that a rank cannot read: one error line for the job,
+    nobody trains, and no rank waits for another until a timeout."""
+    cwd, run = runs[name]
+    expected = "different snapshots" if name.endswith("same-epoch") else "cannot resume"
+    assert run.returncode != 0 and run.output.count("error: ") == 1, run.output
+    assert expected in run.output and "Epoch" not in run.output and run.seconds < 60, run.output

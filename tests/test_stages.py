@@ -1,12 +1,15 @@
 """Every stage trains for real, computes the same model, and resumes exactly (CPU + gloo)."""
 
+import functools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import (
     EPOCHS,
+    REPO,
     STAGES,
     assert_bitwise_equal,
     load,
@@ -186,3 +189,42 @@ def test_augmentation_keeps_the_class_unless_asked(tmp_path):
     crop = [t for t in both.transform.transforms if isinstance(t, T.RandomCrop)]
     assert len(crop) == 1 and crop[0].padding == 4  # at 32x32: the usual 4-pixel padding
     assert any(isinstance(t, T.RandomHorizontalFlip) for t in both.transform.transforms)
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    """Linear from 0 to --lr over the first 10% of the run, then linear to 0 at its end."""
+    trainer = SimpleNamespace(args=SimpleNamespace(lr=1.0))
+    rate = functools.partial(single_gpu().Trainer._learning_rate, trainer)
+    assert rate(0.0) == 0 and rate(0.05) == pytest.approx(0.5) and rate(0.1) == pytest.approx(1)
+    assert rate(0.55) == pytest.approx(0.5) and rate(1.0) == pytest.approx(0)
+
+
+def test_a_cpu_snapshot_resumes_in_the_gpu_layout(tmp_path):
+    """On GPUs the model is channels-last and AdamW fused, whose kernel needs moments with the
+    parameters' strides: loaded from a CPU snapshot, they have them."""
+    module = single_gpu()
+    model = module.build_model("convnet", 10)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1},
+               tmp_path / "snapshot.pt")  # fmt: skip
+    trainer = module.Trainer.__new__(module.Trainer)  # the GPU configuration, on the CPU
+    trainer.model = module.build_model("convnet", 10).to(memory_format=torch.channels_last)
+    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), fused=True)
+    trainer.device, trainer.global_rank = torch.device("cpu"), 0
+    trainer.args = SimpleNamespace(snapshot_path=str(tmp_path / "snapshot.pt"), total_epochs=1)
+    assert not trainer._load_snapshot().startswith("error")
+    for param, state in trainer.optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].stride() == param.stride(), key
+    assert any(p.dim() == 4 for p in trainer.optimizer.state)  # convolutions were checked
+
+
+def test_each_process_takes_a_gpu_it_can_see(monkeypatch):
+    """With one GPU visible per process (srun --gpus-per-task=1), local rank 3 uses cuda:0."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert single_gpu().setup(3, 4) == torch.device("cuda", 0)
+    lines = {(REPO / f"{s}.py").read_text().split("local_rank % gpus")[0][-80:] for s in STAGES}
+    assert len(lines) == 1  # the same choice in every stage

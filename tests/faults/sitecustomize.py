@@ -9,9 +9,18 @@ themselves carry no test hooks:
                                   SIGKILLs itself
   KEEP_SNAPSHOTS=1                after each atomic rename, copy the snapshot to PATH.epochN
   RECORD_DIR=DIR                  write the sample indices each rank trains on and evaluates
+  EXIT_HOOKS=DIR                  as a user's code would: print a line without flushing it, and
+                                  register an atexit handler that writes DIR/atexit-PID
 """
 
 import os
+
+if os.environ.get("EXIT_HOOKS"):
+    import atexit
+
+    print(f"unflushed line from {os.getpid()}")  # stdout is a pipe: it waits in the buffer
+    _marker = os.path.join(os.environ["EXIT_HOOKS"], f"atexit-{os.getpid()}")
+    atexit.register(lambda: open(_marker, "w").close())
 
 if any(os.environ.get(k) for k in ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR")):
     import io

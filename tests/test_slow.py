@@ -1,0 +1,30 @@
+"""Runs that take minutes on the 2-core machine: python -m pytest -m slow (CI runs them too)."""
+
+import pytest
+
+from conftest import EPOCHS, launch, load, max_param_diff
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["multigpu", "multigpu_torchrun"])
+def test_compile_under_ddp_with_accumulation(tmp_path, stage):
+    """--compile with DDP and --grad_accum 2 (2 processes x 16 x 2): the model of the same run
+    uncompiled, and a log line per epoch."""
+    args = [EPOCHS, EPOCHS, "--batch_size", 16, "--grad_accum", 2]
+    for name in ("plain", "compiled"):
+        (tmp_path / name).mkdir()
+    plain = launch(stage, args, tmp_path / "plain", timeout=600)
+    compiled = launch(stage, [*args, "--compile"], tmp_path / "compiled", timeout=900)
+    assert plain.returncode == 0 and compiled.returncode == 0, compiled.output
+    assert [e[0] for e in compiled.epochs()] == list(range(1, EPOCHS + 1)), compiled.output
+    assert "Traceback" not in compiled.output, compiled.output
+    snapshots = [load(tmp_path / name / "snapshot.pt") for name in ("plain", "compiled")]
+    difference = max_param_diff(*snapshots)
+    assert difference <= 1e-3, difference
+
+
+@pytest.mark.slow
+def test_compile_when_a_share_is_smaller_than_a_batch(tmp_path):
+    """640 samples over 2 processes, --batch_size 512: no full batch to keep, still no traceback."""
+    run = launch("multigpu", [1, 1, "--batch_size", 512, "--compile"], tmp_path, timeout=600)
+    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
