@@ -5,6 +5,7 @@
 #   sbatch slurm/multigpu_torchrun.sh [total_epochs save_every flags...]   (default: 50 10)
 #   sbatch --gpus-per-node=0 slurm/multigpu_torchrun.sh                    (a CPU-only cluster)
 # Add what your site needs, e.g. #SBATCH --partition=NAME and #SBATCH --account=NAME.
+# Each process uses GPU LOCAL_RANK % (GPUs it sees): all of the node (here) or one each.
 #SBATCH --job-name=multigpu_torchrun
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1

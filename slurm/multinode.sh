@@ -6,6 +6,7 @@
 #   sbatch --gpus-per-node=0 slurm/multinode.sh                    (a CPU-only cluster)
 # The repository folder (the snapshot is written there) must be on storage every node sees.
 # Add what your site needs, e.g. #SBATCH --partition=NAME and #SBATCH --account=NAME.
+# Each process uses GPU LOCAL_RANK % (GPUs it sees): all of a node (here) or one each (--gpus-per-task=1).
 #SBATCH --job-name=multinode
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
