@@ -2,19 +2,20 @@
 torchrun --nnodes=2 --nproc_per_node=gpu --rdzv-id=JOB --rdzv-backend=c10d \
     --rdzv-endpoint=HOST:29500 multinode.py 50 10    (HOST: the first node; on CPUs: 2 per node)
 
-50 epochs, a snapshot every 10 (--help lists the flags). Every stage is a complete
-trainer (data, model, training loop, held-out evaluation, logging, snapshots); each next one adds
-distribution only: single_gpu.py, multigpu.py, multigpu_torchrun.py, multinode.py. GPUs if any,
-else the CPU (CUDA_VISIBLE_DEVICES= forces it). Run again, it resumes from its last snapshot.
+50 epochs, a snapshot every 10 (--help: the flags); each next stage adds distribution only. GPUs
+if any, else the CPU (CUDA_VISIBLE_DEVICES= forces it). Ctrl-C, SIGTERM or SIGUSR1: it stops after
+an optimizer step, saved. Run again, it resumes from its last snapshot, inside an epoch too.
 """
 
 import argparse
 import atexit
 import hashlib
+import itertools
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 
@@ -24,6 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, kill, Slurm: README
+stop_signals: list[int] = []  # noted by the handlers; training stops after the next optimizer step
 
 
 def setup(local_rank: int, local_world_size: int, global_rank: int) -> torch.device:
@@ -67,6 +71,28 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
     if train.classes != val.classes:
         sys.exit(f"error: --data_dir {data_dir}: train/ and val/ must hold the same class folders")
     return train, val, len(train.classes)
+
+
+class Seeded(Subset):
+    """Reads samples by (seed, epoch, index) and seeds their random transforms with that key: a
+    sample is augmented alike whichever process or loader worker reads it, and after a resume."""
+
+    __getitems__ = None  # not by batches of indices: key by key, through __getitem__
+
+    def __getitem__(self, key: tuple[int, int, int]) -> tuple:
+        torch.default_generator.manual_seed(hash(key))  # what torchvision's transforms draw from
+        return self.dataset[self.indices[key[-1]]]
+
+
+class EpochSampler(DistributedSampler):
+    """Each epoch's shuffled share as (seed, epoch, index) keys, from its `start`-th sample on: a
+    resumed epoch skips what it trained on without loading it. len() is the whole share."""
+
+    start = 0
+
+    def __iter__(self):
+        share = itertools.islice(super().__iter__(), self.start, None)
+        return ((self.seed, self.epoch, index) for index in share)
 
 
 def build_model(arch: str, num_classes: int) -> nn.Module:
@@ -113,28 +139,27 @@ class Trainer:
         loaded = [None] * dist.get_world_size()  # what each rank loaded, or why it could not:
         dist.all_gather_object(loaded, self._load_snapshot())  # none waits for one that left
         errors = [what for what in loaded if what.startswith("error:")]
-        if (
-            errors or len(set(loaded)) > 1
-        ):  # every rank stops, so that none trains from another start
+        if errors or len(set(loaded)) > 1:  # every rank stops: none trains from another start
             dist.destroy_process_group()
             apart = f"error: ranks resume from different snapshots: share {args.snapshot_path}"
             sys.exit((errors + [apart])[0] if self.global_rank == 0 else 1)  # one line for the job
+        self.cpu_group = dist.new_group(backend="gloo")  # agrees to stop without a GPU sync
         self.train_model = nn.parallel.DistributedDataParallel(model)  # all-reduces gradients
         if args.compile:  # fixed shapes; CUDA graphs launch a step at once, but each replay would
             mode = "reduce-overhead" if args.grad_accum == 1 else None  # overwrite summed gradients
             self.train_model = torch.compile(self.train_model, mode=mode)
 
     def _load_snapshot(self) -> str:
-        """Sets epochs_run; returns what was loaded (a digest, or "none") or an error line."""
+        """Sets resume_at; returns what was loaded (a digest, or "none") or an error line."""
         path = self.args.snapshot_path
-        self.epochs_run = 0  # no snapshot yet: start at epoch 0
+        self.resume_at = [0, 0, 0.0]  # epochs done; samples and loss sum into the next epoch
         if not os.path.exists(path):
             return "none"
         try:  # weights_only=True: tensors and plain data only, never code from the file
             snapshot = torch.load(path, map_location=self.device, weights_only=True)
             self.model.load_state_dict(snapshot["model"])
             self.optimizer.load_state_dict(snapshot["optimizer"])
-            self.epochs_run = int(snapshot["epoch"])
+            self.resume_at = [snapshot.get(key, 0) for key in ("epoch", "samples", "loss_sum")]
             planned = int(snapshot.get("total_epochs", self.args.total_epochs))
         except pickle.UnpicklingError:  # pickled objects, or not a snapshot at all: nothing ran
             return f"error: cannot resume from {path}: not a file of tensors and plain data"
@@ -145,14 +170,15 @@ class Trainer:
                 if value.dim() and value.shape == param.shape:
                     state[key] = torch.empty_like(param).copy_(value)
         total = self.args.total_epochs
-        if self.global_rank == 0 and planned != total and self.epochs_run < total:
+        if self.global_rank == 0 and planned != total and self.resume_at[0] < total:
             print(f"Resuming a {planned}-epoch run: the learning rate now decays to 0 at {total}")
         with open(path, "rb") as f:  # the same bytes on every rank, or they resume apart
             return hashlib.sha256(f.read()).hexdigest()
 
-    def _save_snapshot(self, epochs_run: int) -> None:
+    def _save_snapshot(self, epochs_run: int, samples: int = 0, loss_sum: float = 0.0) -> None:
         snapshot = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         snapshot.update(epoch=epochs_run, total_epochs=self.args.total_epochs)  # plain data
+        snapshot.update(samples=samples, loss_sum=loss_sum)  # into the next epoch, when stopped
         temporary = f"{self.args.snapshot_path}.tmp"  # same folder: the rename below is atomic
         with open(temporary, "wb") as f:
             torch.save(snapshot, f)
@@ -171,17 +197,22 @@ class Trainer:
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()  # a mean, see README
         return loss_sum.detach()
 
-    def _run_epoch(self, epoch: int) -> torch.Tensor:
-        """Train one epoch, then evaluate: [train loss sum, samples, val correct, val samples]."""
-        torch.manual_seed(self.args.seed + 1000 * epoch + self.global_rank)  # resume is exact
-        self.train_data.sampler.set_epoch(epoch)  # a new shuffle every epoch
+    def _run_epoch(self, epoch: int, samples: int, loss_sum: float) -> tuple[torch.Tensor, int]:
+        """Train one epoch from its `samples`-th sample (of all ranks) on, then evaluate; returns
+        [train loss sum, samples, val correct, val samples] and 0, or the signal that stopped it."""
+        sampler = self.train_data.sampler
+        sampler.set_epoch(epoch)  # a new shuffle every epoch
+        first = samples // sampler.num_replicas // self.args.batch_size  # steps trained already
+        sampler.start = first * self.args.batch_size  # samples skipped, not even loaded
         steps = len(self.train_data)
-        trained = min(len(self.train_data.sampler), steps * self.args.batch_size)  # drop_last
-        stats = torch.tensor([0.0, trained, 0.0, len(self.val_data.dataset)], device=self.device)
+        trained = min(len(sampler), steps * self.args.batch_size)  # drop_last
+        stats = [loss_sum * (self.global_rank == 0), trained, 0, len(self.val_data.dataset)]
+        stats = torch.tensor(stats, dtype=torch.float64, device=self.device)  # sums in any order
         self.model.train()
-        for step, (source, targets) in enumerate(self.train_data):
+        for step, (source, targets) in enumerate(self.train_data, first):
             source = source.to(self.device, non_blocking=True, memory_format=self.layout)
             targets = targets.to(self.device, non_blocking=True)
+            torch.manual_seed(hash((self.args.seed, epoch, step, self.global_rank)))  # dropout...
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
             with nullcontext() if update else self.train_model.no_sync():  # all-reduce only then
                 stats[0] += self._run_batch(source, targets)  # no .item(): no host sync per step
@@ -192,34 +223,65 @@ class Trainer:
                     group["lr"] = self._learning_rate(done)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                stopping = torch.tensor(stop_signals[:1] or [0])  # noted by a signal handler
+                dist.all_reduce(stopping, dist.ReduceOp.MAX, group=self.cpu_group)  # all stop here
+                if stopping:  # after this step: what this rank trained on until now
+                    stats[1] = min(len(sampler), (step + 1) * self.args.batch_size)
+                    return stats, int(stopping)
         self.model.eval()
         with torch.no_grad():
             for source, targets in self.val_data:
                 source = source.to(self.device, non_blocking=True, memory_format=self.layout)
                 targets = targets.to(self.device, non_blocking=True)
                 stats[2] += (self.model(source).argmax(1) == targets).sum()
-        return stats
+        return stats, 0
 
-    def train(self) -> None:
+    def train(self) -> int:
+        """Trains to the end (returns 0), or until a stop signal (returns 128 + it, as a shell)."""
         processes = self.train_data.sampler.num_replicas  # that share each batch
         global_batch = self.args.batch_size * self.args.grad_accum * processes
-        for epoch in range(self.epochs_run, self.args.total_epochs):
+        epochs_run, skipped, loss_sum = self.resume_at
+        for epoch in range(epochs_run, self.args.total_epochs):
             start = time.perf_counter()
-            stats = self._run_epoch(epoch)
+            stats, stopped = self._run_epoch(epoch, skipped, loss_sum)
             dist.all_reduce(stats)  # sums over all ranks: rank 0 prints global figures
             loss_sum, samples, correct, evaluated = stats.tolist()  # the epoch's one host sync
+            if stopped and self.global_rank == 0:  # the snapshot says where the epoch stands
+                self._save_snapshot(epoch, int(samples), loss_sum)
+                where = f"in epoch {epoch + 1} after {int(samples)} samples"
+                print(f"{signal.Signals(stopped).name}: stopped {where}; run again to resume")
+            if stopped:
+                return 128 + stopped
             lr = self.optimizer.param_groups[0]["lr"]
             figures = f"loss {loss_sum / samples:.4f} | acc {correct / evaluated:.4f} | lr {lr:.2e}"
             elapsed = time.perf_counter() - start
-            speed = f"batch {global_batch} | {samples / elapsed:.0f} samples/s"
+            speed = f"batch {global_batch} | {(samples - skipped) / elapsed:.0f} samples/s"
             if self.global_rank == 0:
                 print(f"Epoch {epoch + 1} | {figures} | {speed}", flush=True)
             last = epoch + 1 == self.args.total_epochs
             if self.global_rank == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
                 self._save_snapshot(epoch + 1)
+            skipped = loss_sum = 0  # the next epoch from its start
+        return 0
 
 
-def main(local_rank: int, args: argparse.Namespace) -> None:
+def shield_loader_worker(worker_id: int) -> None:
+    """Runs in each loader worker. Slurm signals every process of a job, but stop signals are for
+    the training process: it stops after a step, then ends its workers (with a SIGTERM)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # held, never acted on here
+    parent = os.getppid()
+
+    def exit_on_parents_sigterm() -> None:
+        while signal.sigwaitinfo([signal.SIGTERM]).si_pid != parent:
+            pass  # another's: Slurm's, the launcher's
+        os._exit(0)
+
+    threading.Thread(target=exit_on_parents_sigterm, daemon=True).start()
+
+
+def main(local_rank: int, args: argparse.Namespace) -> int:
+    for signum in STOP_SIGNALS:  # noted from here on; the training loop acts on them
+        signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
     torch.manual_seed(args.seed)  # the same initial weights in every stage
     try:  # each rank finds the same faults in the same input: rank 0 alone says them, once
         train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
@@ -236,21 +298,23 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     fused = device.type == "cuda"  # one kernel updates all parameters
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=fused)
-    sampler = DistributedSampler(train_set, seed=args.seed)  # each rank: its share of each batch
+    train_set = Seeded(train_set, range(len(train_set)))  # augmented by sample, not by process
+    sampler = EpochSampler(train_set, seed=args.seed)  # each rank: its share of each batch
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))  # a shard
-    loading = {}  # on the CPU the training process loads the data: workers would take its cores
-    if device.type == "cuda":  # worker processes prepare the next batches while the GPU trains
-        loading = {"num_workers": min(8, torch.get_num_threads()), "pin_memory": True}  # timm: 4
-    persistent = bool(loading) and args.augment == "none"  # else seeded anew: exact resume
+    workers = min(8, torch.get_num_threads()) if fused else 0  # on the CPU: cores compute
+    workers = workers if args.workers is None else args.workers  # prepare batches meanwhile
+    loading = {"num_workers": workers, "pin_memory": fused, "worker_init_fn": shield_loader_worker}
     drop_last = args.compile and len(sampler) >= args.batch_size  # compiled: one batch shape
-    train = {"sampler": sampler, "drop_last": drop_last, "persistent_workers": persistent}
+    train = {"sampler": sampler, "drop_last": drop_last, "persistent_workers": workers > 0}
     train_data = DataLoader(train_set, args.batch_size, **train, **loading)
     val_data = DataLoader(val_set, 2 * args.batch_size, **loading)  # workers only while evaluating
-    Trainer(model, optimizer, train_data, val_data, device, args).train()
+    code = Trainer(model, optimizer, train_data, val_data, device, args).train()
     dist.destroy_process_group()
     atexit._run_exitfuncs()  # what Python's exit runs: logging's, trackers' and your handlers
     sys.stdout.flush()  # and prints still buffered (under Slurm stdout is a file)
-    os._exit(0)  # but not the rest: DDP keeps gloo's threads alive, and they can abort it: README
+    os._exit(
+        code
+    )  # but not the rest: DDP keeps gloo's threads alive, and they can abort it: README
 
 
 if __name__ == "__main__":
@@ -280,6 +344,7 @@ if __name__ == "__main__":
     add("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast (fp32)")
     add("--deterministic", action="store_true", help="exact resume on GPUs, at some speed")
     add("--compile", action="store_true", help="torch.compile: faster steps, a slow start")
+    add("--workers", type=int, help="loader processes per process (GPUs: up to 8; CPU: 0)")
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
         sys.exit(f"error: start {os.path.basename(__file__)} with torchrun (see its first lines)")

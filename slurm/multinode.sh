@@ -14,6 +14,9 @@
 #SBATCH --cpus-per-task=16
 #SBATCH --time=01:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
 set -euo pipefail
 [ $# -gt 0 ] || set -- 50 10
 nproc=${SLURM_GPUS_ON_NODE:-0}
@@ -25,5 +28,19 @@ port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}  # one per job, so two jobs
 # Restarted workers must not meet the dead ones' addresses in torchrun's shared store (pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 srun --label hostname  # which nodes the job spans
+# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
+# saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
+snapshot=${SNAPSHOT:-snapshot.pt}  # set SNAPSHOT rather than --snapshot_path: this script checks the file
+echo "Job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)) (requeued ${SLURM_RESTART_COUNT:-0} times)"
+saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # opened: fresh on NFS too
+before=$(saved || true)
+trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
+status=0
 srun --kill-on-bad-exit=1 torchrun --nnodes="$SLURM_NNODES" --nproc_per_node="$nproc" --max-restarts=3 \
-    --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" multinode.py "$@"
+    --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" multinode.py --snapshot_path "$snapshot" "$@" &
+wait $! || wait $! || status=$?  # again when the trap interrupted the first wait: the run's own status
+if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
+    echo "Stopped early with its progress saved in $snapshot: requeued to go on"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"

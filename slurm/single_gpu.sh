@@ -10,6 +10,23 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --time=01:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
 set -euo pipefail
 [ $# -gt 0 ] || set -- 50 10
-srun python single_gpu.py "$@"
+# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
+# saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
+snapshot=${SNAPSHOT:-snapshot.pt}  # set SNAPSHOT rather than --snapshot_path: this script checks the file
+echo "Job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)) (requeued ${SLURM_RESTART_COUNT:-0} times)"
+saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # opened: fresh on NFS too
+before=$(saved || true)
+trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
+status=0
+srun python single_gpu.py --snapshot_path "$snapshot" "$@" &
+wait $! || wait $! || status=$?  # again when the trap interrupted the first wait: the run's own status
+if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
+    echo "Stopped early with its progress saved in $snapshot: requeued to go on"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
