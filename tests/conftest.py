@@ -494,8 +494,10 @@ def reference_runs(runs) -> dict:
 @pytest.fixture(scope="session", autouse=True)
 def _slurm_in_background(request):
     """Bring up the Slurm cluster and submit the batch files as the session starts, so that the
-    jobs share the machine with the other tests. Only when a Slurm test was collected."""
-    if not any(item.nodeid.startswith("tests/test_slurm.py") for item in request.session.items):
+    jobs share the machine with the other tests. Only when a Slurm test was collected; the four
+    batch files only when their test was. Yields (cluster environment, jobs) futures."""
+    items = [item.nodeid for item in request.session.items]
+    if not any(nodeid.startswith("tests/test_slurm.py") for nodeid in items):
         yield None
         return
     import slurm_cluster
@@ -506,9 +508,11 @@ def _slurm_in_background(request):
         return
     root = Path(tempfile.mkdtemp(prefix="slurm-test-"))  # munged wants o+x on every parent
     pool = ThreadPoolExecutor(max_workers=1)
-    jobs = pool.submit(lambda: slurm_cluster.submit_all(slurm_cluster.start(root), root))
+    cluster = pool.submit(slurm_cluster.start, root)
+    wanted = any("test_sbatch_file_runs" in nodeid for nodeid in items)
+    jobs = pool.submit(lambda: slurm_cluster.submit_all(cluster.result(), root) if wanted else {})
     try:
-        yield jobs
+        yield cluster, jobs
     finally:
         jobs.exception()  # wait for the jobs, then stop the daemons even when a test failed
         pool.shutdown()
@@ -516,14 +520,25 @@ def _slurm_in_background(request):
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _slurm(background) -> tuple:
+    """(cluster, jobs) futures; skipped (in CI: failed) without Slurm or root."""
+    if isinstance(background, str):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the Slurm tests: {background}")
+        pytest.skip(background)
+    return background
+
+
 @pytest.fixture
 def slurm_jobs(_slurm_in_background) -> dict:
-    """{stage: (folder, sbatch result, job log)}; skipped (in CI: failed) without Slurm or root."""
-    if isinstance(_slurm_in_background, str):
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run the Slurm tests: {_slurm_in_background}")
-        pytest.skip(_slurm_in_background)
-    return _slurm_in_background.result()
+    """{stage: (folder, sbatch result, job log)} of the four batch files, run with 1 1."""
+    return _slurm(_slurm_in_background)[1].result()
+
+
+@pytest.fixture
+def slurm_env(_slurm_in_background) -> dict:
+    """The environment in which Slurm's commands reach the test cluster."""
+    return _slurm(_slurm_in_background)[0].result()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -186,26 +186,36 @@ def stop(root: Path) -> None:
         stop_daemon(pid_file)
 
 
+def user_env(env: dict, **extra: str) -> dict:
+    """A user's environment with the project's Python first on PATH, no test hooks."""
+    env = dict(
+        stage_env(SLURM_CONF=env["SLURM_CONF"], **extra),
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
+    env.pop("PYTHONPATH")
+    return env
+
+
+def copy_repo(cwd: Path) -> None:
+    """The stages and the batch files, as a user's checkout has them."""
+    cwd.mkdir(parents=True)
+    for name in [f"{s}.py" for s in STAGES] + ["slurm"]:
+        (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, cwd / name)
+
+
 def submit_all(env: dict, root: Path) -> dict:
     """Each batch file, unmodified, from its own copy of the repository, all at once, as a user
     with the project's environment active: sbatch --wait --gpus-per-node=0 slurm/STAGE.sh 1 1.
     {stage: (folder, result, job log)}. multinode.sh starts one process per node (CPU_PROCS=1):
     two nodes are enough to span, and the machine is busy."""
-    env = dict(
-        stage_env(SLURM_CONF=env["SLURM_CONF"]),
-        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    )
-    env.pop("PYTHONPATH")  # no test hooks
 
     def submit(stage: str) -> tuple:
         cwd = root / "jobs" / stage
-        cwd.mkdir()
-        for name in [f"{s}.py" for s in STAGES] + ["slurm"]:
-            (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, cwd / name)
+        copy_repo(cwd)
         result = subprocess.run(
             ["sbatch", "--wait", "--gpus-per-node=0", f"slurm/{stage}.sh", "1", "1"],
             cwd=cwd,
-            env=dict(env, CPU_PROCS="1" if stage == "multinode" else "2"),
+            env=user_env(env, CPU_PROCS="1" if stage == "multinode" else "2"),
             capture_output=True,
             text=True,
             timeout=300,
@@ -216,3 +226,35 @@ def submit_all(env: dict, root: Path) -> dict:
 
     with ThreadPoolExecutor(max_workers=len(STAGES)) as pool:
         return dict(zip(STAGES, pool.map(submit, STAGES), strict=True))
+
+
+def follow(env: dict, cwd: Path, sbatch_args: list, during=None, timeout: float = 900) -> dict:
+    """sbatch --wait, from cwd, as a user. A requeued job waits about 2 minutes before it may start
+    again: this starts it as soon as it is eligible. during(job, log text) runs twice a second.
+    {"code", "job", "log", "state" (scontrol show job, just after the end)}."""
+    env = user_env(env, CPU_PROCS="1")
+    command = ["sbatch", "--parsable", "--wait", "--gpus-per-node=0", *map(str, sbatch_args)]
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, text=True)
+    job = proc.stdout.readline().strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    logs = []
+    while proc.poll() is None and time.monotonic() < deadline:
+        logs = list(cwd.glob(f"*-{job}.out"))
+        text = logs[0].read_text() if logs else ""
+        state = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%T %r"], env=env, capture_output=True, text=True
+        ).stdout
+        if state.startswith("PENDING") and "BeginTime" in state:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+        if during is not None:
+            during(job, text)
+        time.sleep(0.5)
+    if proc.poll() is None:
+        subprocess.run(["scancel", job], env=env)
+        proc.kill()
+    code = proc.wait()
+    state = subprocess.run(
+        ["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True
+    ).stdout
+    logs = list(cwd.glob(f"*-{job}.out"))
+    return {"code": code, "job": job, "log": logs[0].read_text() if logs else "", "state": state}
