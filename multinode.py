@@ -27,7 +27,21 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, kill, Slurm: README
-stop_signals: list[int] = []  # noted by the handlers; training stops after the next optimizer step
+stop_signals: list[int] = []  # noted by the handler below; training stops after the next step
+
+
+def note_stop_signal(signum: int, frame: object) -> None:
+    """Training stops after the next optimizer step, saved. A launcher passes the signal on to the
+    processes it started (multigpu.py's), which a signal to its PID alone would not reach."""
+    stop_signals.append(signum)
+    for child in torch.multiprocessing.active_children():
+        if not child.daemon:  # loader workers are daemons: their training process ends them
+            os.kill(child.pid, signum)
+
+
+if __name__ in ("__main__", "__mp_main__"):  # run as a script (__mp_main__: a spawned process)
+    for signum in STOP_SIGNALS:  # from the start on, noted rather than fatal
+        signal.signal(signum, note_stop_signal)
 
 
 def setup(local_rank: int, local_world_size: int, global_rank: int) -> torch.device:
@@ -74,8 +88,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 
 class Seeded(Subset):
-    """Reads samples by (seed, epoch, index) and seeds their random transforms with that key: a
-    sample is augmented alike whichever process or loader worker reads it, and after a resume."""
+    """Samples by (seed, epoch, index) key, augmented alike in any process, worker or resume."""
 
     __getitems__ = None  # not by batches of indices: key by key, through __getitem__
 
@@ -85,8 +98,7 @@ class Seeded(Subset):
 
 
 class EpochSampler(DistributedSampler):
-    """Each epoch's shuffled share as (seed, epoch, index) keys, from its `start`-th sample on: a
-    resumed epoch skips what it trained on without loading it. len() is the whole share."""
+    """The epoch's share as keys, from its `start`-th on: a resume skips, never loads, the rest."""
 
     start = 0
 
@@ -202,14 +214,14 @@ class Trainer:
         [train loss sum, samples, val correct, val samples] and 0, or the signal that stopped it."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)  # a new shuffle every epoch
-        first = samples // sampler.num_replicas // self.args.batch_size  # steps trained already
-        sampler.start = first * self.args.batch_size  # samples skipped, not even loaded
+        resumed = samples // sampler.num_replicas // self.args.batch_size  # steps trained already
+        sampler.start = resumed * self.args.batch_size  # samples skipped, not even loaded
         steps = len(self.train_data)
         trained = min(len(sampler), steps * self.args.batch_size)  # drop_last
         stats = [loss_sum * (self.global_rank == 0), trained, 0, len(self.val_data.dataset)]
         stats = torch.tensor(stats, dtype=torch.float64, device=self.device)  # sums in any order
         self.model.train()
-        for step, (source, targets) in enumerate(self.train_data, first):
+        for step, (source, targets) in enumerate(self.train_data, resumed):
             source = source.to(self.device, non_blocking=True, memory_format=self.layout)
             targets = targets.to(self.device, non_blocking=True)
             torch.manual_seed(hash((self.args.seed, epoch, step, self.global_rank)))  # dropout...
@@ -266,8 +278,7 @@ class Trainer:
 
 
 def shield_loader_worker(worker_id: int) -> None:
-    """Runs in each loader worker. Slurm signals every process of a job, but stop signals are for
-    the training process: it stops after a step, then ends its workers (with a SIGTERM)."""
+    """Slurm signals every process; the training process stops, then ends its loader workers."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # held, never acted on here
     parent = os.getppid()
 
@@ -280,8 +291,6 @@ def shield_loader_worker(worker_id: int) -> None:
 
 
 def main(local_rank: int, args: argparse.Namespace) -> int:
-    for signum in STOP_SIGNALS:  # noted from here on; the training loop acts on them
-        signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
     torch.manual_seed(args.seed)  # the same initial weights in every stage
     try:  # each rank finds the same faults in the same input: rank 0 alone says them, once
         train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
@@ -312,9 +321,7 @@ def main(local_rank: int, args: argparse.Namespace) -> int:
     dist.destroy_process_group()
     atexit._run_exitfuncs()  # what Python's exit runs: logging's, trackers' and your handlers
     sys.stdout.flush()  # and prints still buffered (under Slurm stdout is a file)
-    os._exit(
-        code
-    )  # but not the rest: DDP keeps gloo's threads alive, and they can abort it: README
+    os._exit(code)  # not the rest: DDP keeps gloo's threads alive, and they can abort it: README
 
 
 if __name__ == "__main__":
@@ -348,8 +355,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
         sys.exit(f"error: start {os.path.basename(__file__)} with torchrun (see its first lines)")
-    # Restarted workers would read the dead ones' ports in the store they share with torchrun.
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
-    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # pytorch#135712
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # README, #135712
         sys.exit("error: with --max-restarts, run TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun")
     main(int(os.environ["LOCAL_RANK"]), args)

@@ -22,7 +22,21 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, kill, Slurm: README
-stop_signals: list[int] = []  # noted by the handlers; training stops after the next optimizer step
+stop_signals: list[int] = []  # noted by the handler below; training stops after the next step
+
+
+def note_stop_signal(signum: int, frame: object) -> None:
+    """Training stops after the next optimizer step, saved. A launcher passes the signal on to the
+    processes it started (multigpu.py's), which a signal to its PID alone would not reach."""
+    stop_signals.append(signum)
+    for child in torch.multiprocessing.active_children():
+        if not child.daemon:  # loader workers are daemons: their training process ends them
+            os.kill(child.pid, signum)
+
+
+if __name__ in ("__main__", "__mp_main__"):  # run as a script (__mp_main__: a spawned process)
+    for signum in STOP_SIGNALS:  # from the start on, noted rather than fatal
+        signal.signal(signum, note_stop_signal)
 
 
 def setup(local_rank: int, local_world_size: int) -> torch.device:
@@ -66,8 +80,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 
 class Seeded(Subset):
-    """Reads samples by (seed, epoch, index) and seeds their random transforms with that key: a
-    sample is augmented alike whichever process or loader worker reads it, and after a resume."""
+    """Samples by (seed, epoch, index) key, augmented alike in any process, worker or resume."""
 
     __getitems__ = None  # not by batches of indices: key by key, through __getitem__
 
@@ -77,8 +90,7 @@ class Seeded(Subset):
 
 
 class EpochSampler(DistributedSampler):
-    """Each epoch's shuffled share as (seed, epoch, index) keys, from its `start`-th sample on: a
-    resumed epoch skips what it trained on without loading it. len() is the whole share."""
+    """The epoch's share as keys, from its `start`-th on: a resume skips, never loads, the rest."""
 
     start = 0
 
@@ -191,14 +203,14 @@ class Trainer:
         [train loss sum, samples, val correct, val samples] and 0, or the signal that stopped it."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)  # a new shuffle every epoch
-        first = samples // sampler.num_replicas // self.args.batch_size  # steps trained already
-        sampler.start = first * self.args.batch_size  # samples skipped, not even loaded
+        resumed = samples // sampler.num_replicas // self.args.batch_size  # steps trained already
+        sampler.start = resumed * self.args.batch_size  # samples skipped, not even loaded
         steps = len(self.train_data)
         trained = min(len(sampler), steps * self.args.batch_size)  # drop_last
         stats = [loss_sum * (self.global_rank == 0), trained, 0, len(self.val_data.dataset)]
         stats = torch.tensor(stats, dtype=torch.float64, device=self.device)  # sums in any order
         self.model.train()
-        for step, (source, targets) in enumerate(self.train_data, first):
+        for step, (source, targets) in enumerate(self.train_data, resumed):
             source = source.to(self.device, non_blocking=True, memory_format=self.layout)
             targets = targets.to(self.device, non_blocking=True)
             torch.manual_seed(hash((self.args.seed, epoch, step, self.global_rank)))  # dropout...
@@ -252,8 +264,7 @@ class Trainer:
 
 
 def shield_loader_worker(worker_id: int) -> None:
-    """Runs in each loader worker. Slurm signals every process of a job, but stop signals are for
-    the training process: it stops after a step, then ends its workers (with a SIGTERM)."""
+    """Slurm signals every process; the training process stops, then ends its loader workers."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # held, never acted on here
     parent = os.getppid()
 
@@ -266,8 +277,6 @@ def shield_loader_worker(worker_id: int) -> None:
 
 
 def main(local_rank: int, args: argparse.Namespace) -> int:
-    for signum in STOP_SIGNALS:  # noted from here on; the training loop acts on them
-        signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
     torch.manual_seed(args.seed)  # the same initial weights in every stage
     train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
     model = build_model(args.arch, classes)  # both before the process group starts
