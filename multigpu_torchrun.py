@@ -325,32 +325,32 @@ def main(local_rank: int, args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
 
-    def positive_int(text: str) -> int:
-        if not text.isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    def integer(text: str, least: int = 1) -> int:
+        if not text.isdigit() or int(text) < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
         return int(text)
 
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage
     add = parser.add_argument
-    add("total_epochs", type=positive_int, nargs="?", default=argparse.SUPPRESS)
-    add("save_every", type=positive_int, nargs="?", default=argparse.SUPPRESS)
-    add("--total_epochs", type=positive_int, default=5, help="epochs in all (5)")
-    add("--save_every", type=positive_int, default=5, help="snapshot every N epochs and at the end")
-    add("--batch_size", type=positive_int, default=32, help="samples per micro-batch and process")
-    add("--grad_accum", type=positive_int, default=1, help="micro-batches per optimizer step (1)")
+    add("total_epochs", type=integer, nargs="?", default=argparse.SUPPRESS)
+    add("save_every", type=integer, nargs="?", default=argparse.SUPPRESS)
+    add("--total_epochs", type=integer, default=5, help="epochs in all (5)")
+    add("--save_every", type=integer, default=5, help="snapshot every N epochs and at the end")
+    add("--batch_size", type=integer, default=32, help="samples per micro-batch and process")
+    add("--grad_accum", type=integer, default=1, help="micro-batches per optimizer step (1)")
     add("--lr", type=float, default=3e-3, help="AdamW's peak learning rate (3e-3)")
     add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (0)")
     add("--snapshot_path", default="snapshot.pt", help="resume from and save to (snapshot.pt)")
     add("--data_dir", help="DIR/train/CLASS/*, DIR/val/CLASS/* images (default: built-in data)")
-    add("--image_size", type=positive_int, default=32, help="side of the model's input (32)")
+    add("--image_size", type=integer, default=32, help="side of the model's input (32)")
     add("--augment", default="none", choices=["none", "crop", "flip", "crop+flip"], help="(none)")
     add("--arch", default="convnet", help="convnet, or a torchvision classifier: resnet18...")
     add("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast (fp32)")
     add("--deterministic", action="store_true", help="exact resume on GPUs, at some speed")
     add("--compile", action="store_true", help="torch.compile: faster steps, a slow start")
-    add("--workers", type=int, help="loader processes per process (GPUs: up to 8; CPU: 0)")
+    add("--workers", type=lambda text: integer(text, 0), help="loader processes (GPU: 8, CPU: 0)")
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
         sys.exit(f"error: start {os.path.basename(__file__)} with torchrun (see its first lines)")

@@ -59,6 +59,7 @@ def workdir(tmp_path, monkeypatch):
         (["2", "1", "--arch", "resnet_9000"], "unknown --arch resnet_9000"),
         (["2", "1", "3"], "unrecognized arguments"),
         (["2", "1", "--grad_accum", "0"], "--grad_accum"),
+        (["2", "1", "--workers", "-1"], "--workers"),
         (["2", "1", "--precision", "fp16"], "--precision"),
         (["2", "1", "--augment", "rotate"], "--augment"),
         (["2", "1", "--augment", "flip"], "--augment needs --data_dir"),
