@@ -14,7 +14,6 @@ import os
 import pickle
 import signal
 import sys
-import threading
 import time
 from contextlib import nullcontext
 
@@ -276,17 +275,18 @@ class Trainer:
         return 0
 
 
-def shield_loader_worker(worker_id: int) -> None:
-    """Slurm signals every process; the training process stops, then ends its loader workers."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # held, never acted on here
-    parent = os.getppid()
+def ignore_stop_signals(worker_id: int) -> None:
+    """In loader workers. Slurm signals every process of a job, but the training process stops."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
-    def exit_on_parents_sigterm() -> None:
-        while signal.sigwaitinfo([signal.SIGTERM]).si_pid != parent:
-            pass  # another's: Slurm's, the launcher's
-        os._exit(0)
 
-    threading.Thread(target=exit_on_parents_sigterm, daemon=True).start()
+def end_loader_workers() -> None:
+    """At exit: loader workers ignore SIGTERM, so multiprocessing's own exit would wait on them."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # nor is the loaders' check of their deaths due
+    for worker in torch.multiprocessing.active_children():
+        if worker.daemon:  # not the processes that multigpu.py's launcher waits for
+            worker.kill()
 
 
 def main(local_rank: int, args: argparse.Namespace) -> int:
@@ -311,7 +311,10 @@ def main(local_rank: int, args: argparse.Namespace) -> int:
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))  # a shard
     workers = min(8, torch.get_num_threads()) if fused else 0  # on the CPU: cores compute
     workers = workers if args.workers is None else args.workers  # prepare batches meanwhile
-    loading = {"num_workers": workers, "pin_memory": fused, "worker_init_fn": shield_loader_worker}
+    atexit.register(end_loader_workers)  # runs before multiprocessing's: registered after it
+    loading = {"num_workers": workers, "pin_memory": fused, "worker_init_fn": ignore_stop_signals}
+    if workers:  # forked as under torchrun: a process that spawn started would spawn them, slowly
+        loading["multiprocessing_context"] = "fork"
     drop_last = args.compile and len(sampler) >= args.batch_size  # compiled: one batch shape
     train = {"sampler": sampler, "drop_last": drop_last, "persistent_workers": workers > 0}
     train_data = DataLoader(train_set, args.batch_size, **train, **loading)
