@@ -2,6 +2,7 @@
 stands, says so in one line, and, started again, ends bit for bit where an uninterrupted run ends,
 with the same lines per epoch. Random augmentation is a function of (seed, epoch, sample)."""
 
+import contextlib
 import functools
 import os
 import queue
@@ -23,6 +24,7 @@ from conftest import (
     load,
     make_image_tree,
     max_param_diff,
+    processes_in,
     start,
 )
 
@@ -32,9 +34,12 @@ CASES += [(stage, "SIGINT") for stage in ("single_gpu", "multigpu", "multinode")
 CASES += [(stage, "SIGUSR1") for stage in ("single_gpu", "multigpu")]  # torchrun: README
 
 
-def stop_after(stage: str, args: list, cwd: Path, signum: int, line: str = "Epoch 1 ") -> dict:
-    """Start a run, send `signum` to its launchers (both "nodes" of multinode) once a logged line
-    starts with `line`, and wait for the exit: {"codes", "seconds" (signal to exit), "output"}."""
+def stop_after(
+    stage: str, args: list, cwd: Path, signum: int, line: str = "Epoch 1 ", every: bool = False
+) -> dict:
+    """Start a run, send `signum` to its launchers (both "nodes" of multinode; every: to each of
+    its processes, loader workers included, as Slurm does) once a logged line starts with `line`,
+    and wait for the exit: {"codes", "seconds" (signal to exit), "output"}."""
     procs = start(stage, args, cwd)
     lines, seen = queue.Queue(), threading.Event()
 
@@ -50,8 +55,9 @@ def stop_after(stage: str, args: list, cwd: Path, signum: int, line: str = "Epoc
     try:
         assert seen.wait(240), f"no {line!r} line: {list(lines.queue)}"
         signalled = time.monotonic()
-        for proc in procs:
-            os.kill(proc.pid, signum)
+        for pid in processes_in(cwd) if every else [proc.pid for proc in procs]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
         codes = [proc.wait(timeout=60) for proc in procs]
         seconds = time.monotonic() - signalled
     finally:
@@ -79,9 +85,9 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("stops")
 
 
-def stop_and_resume(stage: str, args: list, cwd: Path, name: str) -> tuple:
+def stop_and_resume(stage: str, args: list, cwd: Path, name: str, every: bool = False) -> tuple:
     """Stopped by signal `name` in epoch 2, then run again to the end: (stopped, resumed run)."""
-    stopped = stop_after(stage, args, cwd, signal.Signals[name])
+    stopped = stop_after(stage, args, cwd, signal.Signals[name], every=every)
     stopped["snapshot"] = load(cwd / "snapshot.pt")
     return stopped, launch(stage, args, cwd, timeout=600)
 
@@ -144,3 +150,19 @@ def test_augmentation_is_the_same_at_every_scale(root, images):
         e[:5] for e in resumed.epochs()
     ]
     assert logged == lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
+def test_loader_workers_leave_the_stop_to_their_process(root, stage):
+    """--workers 2, and SIGTERM to every process of the run (Slurm's time limit and preemption):
+    the workers neither die nor make their training process fail; it stops, saves, resumes."""
+    args = [EPOCHS, 1, *global_batch_args(stage), "--workers", "2"]
+    cwd = root / f"{stage}-every-process"
+    cwd.mkdir()
+    stopped, resumed = stop_and_resume(stage, args, cwd, "SIGTERM", every=True)
+    assert_stopped_cleanly(stopped, "SIGTERM")
+    assert "DataLoader worker" not in stopped["output"], stopped["output"]
+    assert resumed.returncode == 0, resumed.output
+    reference, _ = uninterrupted(stage, root, EPOCHS, 1, *global_batch_args(stage))
+    assert_bitwise_equal(load(cwd / "snapshot.pt"), reference)  # workers or not: same model
