@@ -53,15 +53,6 @@ def test_restarts_without_the_variable_stop_before_any_work(runs, stage):
     assert run.seconds < 60 and not processes_in(cwd), run.output
 
 
-@pytest.mark.parametrize("run_index", range(3))
-def test_ten_epoch_runs_exit_cleanly(runs, run_index):
-    """No abort as the workers exit (it took about 1 in 30 such runs before)."""
-    cwd, run = runs[f"ten-epochs-{run_index}"]
-    assert run.returncode == 0 and len(run.epochs()) == 10, run.output
-    assert "terminate called" not in run.output and not processes_in(cwd), run.output
-    assert load(cwd / "snapshot.pt")["epoch"] == 10
-
-
 @pytest.mark.parametrize("stage", ["multigpu", "multigpu_torchrun"])
 def test_workers_stop_when_their_launcher_dies(runs, stage):
     """The launcher (python multigpu.py, or torchrun) SIGKILLed after epoch 3 of 400: every
