@@ -9,6 +9,7 @@ import argparse
 import atexit
 import hashlib
 import itertools
+import multiprocessing
 import os
 import pickle
 import signal
@@ -16,13 +17,6 @@ import socket
 import sys
 import time
 from contextlib import nullcontext
-
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, kill, Slurm: README
 stop_signals: list[int] = []  # noted by the handler below; training stops after the next step
@@ -32,14 +26,21 @@ def note_stop_signal(signum: int, frame: object) -> None:
     """Training stops after the next optimizer step, saved. A launcher passes the signal on to the
     processes it started (multigpu.py's), which a signal to its PID alone would not reach."""
     stop_signals.append(signum)
-    for child in torch.multiprocessing.active_children():
+    for child in multiprocessing.active_children():
         if not child.daemon:  # loader workers are daemons: their training process ends them
             os.kill(child.pid, signum)
 
 
 if __name__ in ("__main__", "__mp_main__"):  # run as a script (__mp_main__: a spawned process)
-    for signum in STOP_SIGNALS:  # from the start on, noted rather than fatal
+    for signum in STOP_SIGNALS:  # noted from here on: before torch, whose import takes seconds
         signal.signal(signum, note_stop_signal)
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
 
 def setup(local_rank: int, local_world_size: int, global_rank: int) -> torch.device:

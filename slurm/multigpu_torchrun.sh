@@ -30,7 +30,8 @@ saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # 
 before=$(saved || true)
 trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
 status=0
-srun torchrun --standalone --nproc_per_node="$nproc" --max-restarts=3 multigpu_torchrun.py --snapshot_path "$snapshot" "$@" &
+srun torchrun --standalone --nproc_per_node="$nproc" --max-restarts=3 \
+    multigpu_torchrun.py --snapshot_path "$snapshot" "$@" &
 wait $! || wait $! || status=$?  # again when the trap interrupted the first wait: the run's own status
 if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
     echo "Stopped early with its progress saved in $snapshot: requeued to go on"

@@ -37,7 +37,8 @@ before=$(saved || true)
 trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
 status=0
 srun --kill-on-bad-exit=1 torchrun --nnodes="$SLURM_NNODES" --nproc_per_node="$nproc" --max-restarts=3 \
-    --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" multinode.py --snapshot_path "$snapshot" "$@" &
+    --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" \
+    multinode.py --snapshot_path "$snapshot" "$@" &
 wait $! || wait $! || status=$?  # again when the trap interrupted the first wait: the run's own status
 if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
     echo "Stopped early with its progress saved in $snapshot: requeued to go on"
