@@ -228,33 +228,40 @@ def submit_all(env: dict, root: Path) -> dict:
         return dict(zip(STAGES, pool.map(submit, STAGES), strict=True))
 
 
+ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE")
+
+
 def follow(env: dict, cwd: Path, sbatch_args: list, during=None, timeout: float = 900) -> dict:
-    """sbatch --wait, from cwd, as a user. A requeued job waits about 2 minutes before it may start
-    again: this starts it as soon as it is eligible. during(job, log text) runs twice a second.
-    {"code", "job", "log", "state" (scontrol show job, just after the end)}."""
+    """sbatch, from cwd, as a user; then the job is followed until it ends for good (not with
+    `sbatch --wait`: it once returned as the job was requeued). A requeued job waits 2 minutes
+    before it may start again: this starts it as soon as it is eligible. during(job, log text)
+    runs twice a second. {"code", "job", "log", "state" (scontrol show job at the end)}."""
     env = user_env(env, CPU_PROCS="1")
-    command = ["sbatch", "--parsable", "--wait", "--gpus-per-node=0", *map(str, sbatch_args)]
-    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, text=True)
-    job = proc.stdout.readline().strip().split(";")[0]
+    command = ["sbatch", "--parsable", "--gpus-per-node=0", *map(str, sbatch_args)]
+    submitted = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    job = submitted.stdout.strip().split(";")[0]
+    assert submitted.returncode == 0 and job, submitted.stderr
     deadline = time.monotonic() + timeout
-    logs = []
-    while proc.poll() is None and time.monotonic() < deadline:
-        logs = list(cwd.glob(f"*-{job}.out"))
-        text = logs[0].read_text() if logs else ""
-        state = subprocess.run(
-            ["squeue", "-h", "-j", job, "-o", "%T %r"], env=env, capture_output=True, text=True
-        ).stdout
-        if state.startswith("PENDING") and "BeginTime" in state:
+    show = ["scontrol", "-o", "show", "job", job]
+    state = ""
+    while time.monotonic() < deadline:
+        shown = subprocess.run(show, env=env, capture_output=True, text=True).stdout
+        if "JobState=" not in shown and state:
+            break  # gone from the controller (MinJobAge) since the last look: it ended
+        state = shown or state
+        status = state.split("JobState=")[-1].split()[0] if "JobState=" in state else ""
+        if status in ENDED:
+            break
+        if status == "PENDING" and "Reason=BeginTime" in state:
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
         if during is not None:
-            during(job, text)
+            logs = list(cwd.glob(f"*-{job}.out"))
+            during(job, logs[0].read_text() if logs else "")
         time.sleep(0.5)
-    if proc.poll() is None:
+    else:
         subprocess.run(["scancel", job], env=env)
-        proc.kill()
-    code = proc.wait()
-    state = subprocess.run(
-        ["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True
-    ).stdout
+    exit_code = state.split(" ExitCode=")[-1].split(":")[0] if " ExitCode=" in state else "-1"
+    time.sleep(0.5)  # the log's last lines
     logs = list(cwd.glob(f"*-{job}.out"))
-    return {"code": code, "job": job, "log": logs[0].read_text() if logs else "", "state": state}
+    log = logs[0].read_text() if logs else ""
+    return {"code": int(exit_code), "job": job, "log": log, "state": state}
