@@ -43,5 +43,6 @@ wait $! || wait $! || status=$?  # again when the trap interrupted the first wai
 if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
     echo "Stopped early with its progress saved in $snapshot: requeued to go on"
     scontrol requeue "$SLURM_JOB_ID"
+    sleep 60  # Slurm ends this start now: exiting first would end the job as failed, not requeued
 fi
 exit "$status"

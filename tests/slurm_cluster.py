@@ -243,14 +243,15 @@ def follow(env: dict, cwd: Path, sbatch_args: list, during=None, timeout: float 
     assert submitted.returncode == 0 and job, submitted.stderr
     deadline = time.monotonic() + timeout
     show = ["scontrol", "-o", "show", "job", job]
-    state = ""
+    state, ended = "", 0
     while time.monotonic() < deadline:
         shown = subprocess.run(show, env=env, capture_output=True, text=True).stdout
         if "JobState=" not in shown and state:
             break  # gone from the controller (MinJobAge) since the last look: it ended
         state = shown or state
         status = state.split("JobState=")[-1].split()[0] if "JobState=" in state else ""
-        if status in ENDED:
+        ended = ended + 1 if status in ENDED else 0  # twice in a row: not a requeue passing
+        if ended == 2:
             break
         if status == "PENDING" and "Reason=BeginTime" in state:
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
