@@ -234,8 +234,8 @@ ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEM
 def follow(env: dict, cwd: Path, sbatch_args: list, during=None, timeout: float = 900) -> dict:
     """sbatch, from cwd, as a user; then the job is followed until it ends for good (not with
     `sbatch --wait`: it once returned as the job was requeued). A requeued job waits 2 minutes
-    before it may start again: this starts it as soon as it is eligible. during(job, log text)
-    runs twice a second. {"code", "job", "log", "state" (scontrol show job at the end)}."""
+    before it may start again: this starts it 3 s after it was requeued. during(job, log text)
+    runs twice a second. {"ended" (its last state), "job", "log", "state" (scontrol show job)}."""
     env = user_env(env, CPU_PROCS="1")
     command = ["sbatch", "--parsable", "--gpus-per-node=0", *map(str, sbatch_args)]
     submitted = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
@@ -243,7 +243,7 @@ def follow(env: dict, cwd: Path, sbatch_args: list, during=None, timeout: float 
     assert submitted.returncode == 0 and job, submitted.stderr
     deadline = time.monotonic() + timeout
     show = ["scontrol", "-o", "show", "job", job]
-    state, ended = "", 0
+    state, status, ended, waiting = "", "", 0, 0
     while time.monotonic() < deadline:
         shown = subprocess.run(show, env=env, capture_output=True, text=True).stdout
         if "JobState=" not in shown and state:
@@ -253,7 +253,9 @@ def follow(env: dict, cwd: Path, sbatch_args: list, during=None, timeout: float 
         ended = ended + 1 if status in ENDED else 0  # twice in a row: not a requeue passing
         if ended == 2:
             break
-        if status == "PENDING" and "Reason=BeginTime" in state:
+        requeued = status == "PENDING" and "Reason=BeginTime" in state
+        waiting = waiting + 1 if requeued else 0  # half-seconds: let the last start's steps end
+        if waiting == 6:
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
         if during is not None:
             logs = list(cwd.glob(f"*-{job}.out"))
@@ -261,8 +263,7 @@ def follow(env: dict, cwd: Path, sbatch_args: list, during=None, timeout: float 
         time.sleep(0.5)
     else:
         subprocess.run(["scancel", job], env=env)
-    exit_code = state.split(" ExitCode=")[-1].split(":")[0] if " ExitCode=" in state else "-1"
     time.sleep(0.5)  # the log's last lines
     logs = list(cwd.glob(f"*-{job}.out"))
     log = logs[0].read_text() if logs else ""
-    return {"code": int(exit_code), "job": job, "log": log, "state": state}
+    return {"ended": status, "job": job, "log": log, "state": state}
