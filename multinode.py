@@ -1,6 +1,7 @@
 """Stage 4 of 4, a torchrun on every node: LOCAL_RANK picks the GPU, RANK the role in the job:
 torchrun --nnodes=2 --nproc_per_node=gpu --rdzv-id=JOB --rdzv-backend=c10d \
     --rdzv-endpoint=HOST:29500 multinode.py 50 10    (HOST: the first node; on CPUs: 2 per node)
+or a task per GPU, no torchrun: MASTER_ADDR=HOST MASTER_PORT=29500 srun python multinode.py 50 10
 
 50 epochs, a snapshot every 10 (--help: the flags); each next stage adds distribution only. GPUs
 if any, else the CPU (CUDA_VISIBLE_DEVICES= forces it). Ctrl-C, SIGTERM or SIGUSR1: it stops after
@@ -9,11 +10,14 @@ an optimizer step, saved. Run again, it resumes from its last snapshot, inside a
 
 import argparse
 import atexit
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import multiprocessing
 import os
 import pickle
+import random
 import signal
 import sys
 import time
@@ -25,16 +29,22 @@ stop_signals: list[int] = []  # noted by the handler below; training stops after
 
 def note_stop_signal(signum: int, frame: object) -> None:
     """Training stops after the next optimizer step, saved. A launcher passes the signal on to the
-    processes it started (multigpu.py's), which a signal to its PID alone would not reach."""
+    processes it started (multigpu.py's), which a signal to its PID alone would not reach. A
+    second Ctrl-C ends the job at once, as Python programs do: the last snapshot stays whole."""
+    again = signum == signal.SIGINT and signum in stop_signals and __name__ == "__main__"
     stop_signals.append(signum)
     for child in multiprocessing.active_children():
         if not child.daemon:  # loader workers are daemons: their training process ends them
-            os.kill(child.pid, signum)
+            os.kill(child.pid, signal.SIGKILL if again else signum)
+    if again:
+        os.write(2, b"SIGINT again: ended at once, unsaved; the last snapshot is kept\n")
+        os._exit(128 + signum)
 
 
 if __name__ in ("__main__", "__mp_main__"):  # run as a script (__mp_main__: a spawned process)
     for signum in STOP_SIGNALS:  # noted from here on: before torch, whose import takes seconds
         signal.signal(signum, note_stop_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held while a launcher started us
 
 import torch
 import torch.distributed as dist
@@ -49,6 +59,9 @@ def setup(local_rank: int, local_world_size: int, global_rank: int) -> torch.dev
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, cores // local_world_size))  # local processes share the cores
     gpus = torch.cuda.device_count()  # 1 where the launcher shows each process its own GPU
+    if 1 < gpus < local_world_size:  # two processes on one GPU: NCCL would fail at start
+        error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
+        sys.exit(error if local_rank == 0 else 1)
     device = torch.device("cuda", local_rank % gpus) if gpus else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # where pinned memory and the backend's buffers go
@@ -87,13 +100,22 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
     return train, val, len(train.classes)
 
 
+def seed_of(*key: int) -> int:
+    """64 bits from the whole key: hash() would give --seed -1 and -2 the same numbers."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
+
+
 class Seeded(Subset):
     """Samples by (seed, epoch, index) key, augmented alike in any process, worker or resume."""
 
     __getitems__ = None  # not by batches of indices: key by key, through __getitem__
 
     def __getitem__(self, key: tuple[int, int, int]) -> tuple:
-        torch.default_generator.manual_seed(hash(key))  # what torchvision's transforms draw from
+        seed = seed_of(*key)  # every generator a transform may draw from: torch, random, numpy
+        torch.default_generator.manual_seed(seed)
+        random.seed(seed)
+        if "numpy" in sys.modules:  # the words of random's seed, swapped: other numbers
+            sys.modules["numpy"].random.seed([seed >> 32, seed & 0xFFFFFFFF])
         return self.dataset[self.indices[key[-1]]]
 
 
@@ -137,6 +159,7 @@ class Trainer:
         val_data: DataLoader,
         device: torch.device,
         args: argparse.Namespace,
+        definition: dict,
     ) -> None:
         self.model = model  # the plain model: evaluated and saved
         self.layout = torch.channels_last if device.type == "cuda" else torch.preserve_format
@@ -146,7 +169,12 @@ class Trainer:
         self.val_data = val_data
         self.device = device
         self.args = args
+        self.definition = definition  # of the run: a snapshot of another run is not resumed
         self.bf16 = args.precision == "bf16"  # autocast matrix work to bfloat16
+        shortest = len(val_data.dataset.dataset) // train_data.sampler.num_replicas  # val share
+        self.val_checks = shortest // val_data.batch_size  # evaluation batches every rank has
+        self.stop = torch.tensor(0)  # the stop signal noted at the last check, 0 for none
+        self.agreement = None  # that check on its way between the ranks
         self.global_rank = dist.get_rank()  # unique in the job: rank 0 logs and writes snapshots
         loaded = [None] * dist.get_world_size()  # what each rank loaded, or why it could not:
         dist.all_gather_object(loaded, self._load_snapshot())  # none waits for one that left
@@ -161,15 +189,38 @@ class Trainer:
             mode = "reduce-overhead" if args.grad_accum == 1 else None  # overwrite summed gradients
             self.train_model = torch.compile(self.train_model, mode=mode)
 
+    def _lock_snapshot(self) -> str:
+        """The writer holds PATH.lock while it runs: a second run on the path stops at start."""
+        path = self.args.snapshot_path
+        try:  # held until this process ends, however it ends
+            self.lock = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o644)
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f"error: {path} is in use by another run: give each run its own --snapshot_path"
+        except OSError as e:  # a missing or read-only folder: no snapshot could be saved there
+            return f"error: cannot save {path}: {e}"
+        return ""
+
     def _load_snapshot(self) -> str:
         """Sets resume_at; returns what was loaded (a digest, or "none") or an error line."""
         path = self.args.snapshot_path
         self.resume_at = [0, 0, 0.0]  # epochs done; samples and loss sum into the next epoch
-        if not os.path.exists(path):
-            return "none"
+        locked = self._lock_snapshot() if self.global_rank == 0 else ""
+        if locked or not os.path.exists(path):
+            return locked or "none"
         try:  # weights_only=True: tensors and plain data only, never code from the file
             snapshot = torch.load(path, map_location=self.device, weights_only=True)
+            ran = snapshot.get("run", self.definition)  # older snapshots did not record it
+            differs = [
+                f"{k} {ran.get(k)}, not {v}" for k, v in self.definition.items() if ran.get(k) != v
+            ]
+            if differs:  # resumed, it would end as neither run: say what differs
+                other = f"{path} holds another run ({'; '.join(differs)})"
+                return f"error: {other}: give this one its own --snapshot_path"
             self.model.load_state_dict(snapshot["model"])
+            chosen = self.optimizer.param_groups  # fused or not: this machine's, not the file's
+            for saved, group in zip(snapshot["optimizer"]["param_groups"], chosen, strict=True):
+                saved.update(fused=group["fused"], foreach=group["foreach"])
             self.optimizer.load_state_dict(snapshot["optimizer"])
             self.resume_at = [snapshot.get(key, 0) for key in ("epoch", "samples", "loss_sum")]
             planned = int(snapshot.get("total_epochs", self.args.total_epochs))
@@ -184,19 +235,50 @@ class Trainer:
         total = self.args.total_epochs
         if self.global_rank == 0 and planned != total and self.resume_at[0] < total:
             print(f"Resuming a {planned}-epoch run: the learning rate now decays to 0 at {total}")
-        with open(path, "rb") as f:  # the same bytes on every rank, or they resume apart
-            return hashlib.sha256(f.read()).hexdigest()
+        digest = hashlib.sha256()  # of the same bytes on every rank, or they resume apart
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):  # a block at a time: snapshots can be large
+                digest.update(block)
+        return digest.hexdigest()
 
-    def _save_snapshot(self, epochs_run: int, samples: int = 0, loss_sum: float = 0.0) -> None:
+    def _save_snapshot(self, epochs_run: int, samples: int = 0, loss_sum: float = 0.0) -> str:
+        """Writes the snapshot atomically; returns "", or the error line when it could not."""
         snapshot = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         snapshot.update(epoch=epochs_run, total_epochs=self.args.total_epochs)  # plain data
         snapshot.update(samples=samples, loss_sum=loss_sum)  # into the next epoch, when stopped
-        temporary = f"{self.args.snapshot_path}.tmp"  # same folder: the rename below is atomic
-        with open(temporary, "wb") as f:
-            torch.save(snapshot, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, self.args.snapshot_path)  # a crash before this keeps the last one
+        snapshot.update(run=self.definition)
+        path = self.args.snapshot_path
+        temporary = f"{path}.{os.getpid()}.tmp"  # same folder: the rename below is atomic
+        try:
+            with open(temporary, "wb") as f:
+                torch.save(snapshot, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, path)  # a crash before this keeps the last one
+        except OSError as e:  # a full disk, a folder gone or read-only: the last one stays
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            return f"error: cannot save {path}: {e}; the last snapshot is kept"
+        return ""
+
+    def _save(self, epochs_run: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
+        """Rank 0 writes the snapshot; every rank learns whether it could, once it is written."""
+        error = self._save_snapshot(epochs_run, samples, loss_sum) if self.global_rank == 0 else ""
+        failed = torch.tensor(1 if error else 0)
+        dist.all_reduce(failed, group=self.cpu_group)  # the other ranks wait for the write
+        if error:
+            print(error, file=sys.stderr, flush=True)
+        return not failed
+
+    def _agreed_stop(self) -> int:
+        """The stop signal noted by any rank before the previous check, or 0. Each check travels
+        between the ranks while the next step computes: no step waits for the network."""
+        if self.agreement is not None:
+            self.agreement.wait()
+        agreed = int(self.stop)
+        self.stop = torch.tensor(stop_signals[0] if stop_signals else 0)
+        self.agreement = dist.all_reduce(self.stop, dist.ReduceOp.MAX, self.cpu_group, True)
+        return agreed
 
     def _learning_rate(self, done: float) -> float:
         """One cycle: linear warm-up over the first 10% of the run, linear decay to 0 at its end."""
@@ -214,7 +296,8 @@ class Trainer:
         [train loss sum, samples, val correct, val samples] and 0, or the signal that stopped it."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)  # a new shuffle every epoch
-        resumed = samples // sampler.num_replicas // self.args.batch_size  # steps trained already
+        per_step = sampler.num_replicas * self.args.batch_size  # samples of all ranks
+        resumed = -(-samples // per_step)  # steps trained already, a short last one included
         sampler.start = resumed * self.args.batch_size  # samples skipped, not even loaded
         steps = len(self.train_data)
         trained = min(len(sampler), steps * self.args.batch_size)  # drop_last
@@ -224,7 +307,7 @@ class Trainer:
         for step, (source, targets) in enumerate(self.train_data, resumed):
             source = source.to(self.device, non_blocking=True, memory_format=self.layout)
             targets = targets.to(self.device, non_blocking=True)
-            torch.manual_seed(hash((self.args.seed, epoch, step, self.global_rank)))  # dropout...
+            torch.manual_seed(seed_of(self.args.seed, epoch, step, self.global_rank))  # dropout
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
             with nullcontext() if update else self.train_model.no_sync():  # all-reduce only then
                 stats[0] += self._run_batch(source, targets)  # no .item(): no host sync per step
@@ -235,31 +318,38 @@ class Trainer:
                     group["lr"] = self._learning_rate(done)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                stopping = torch.tensor(stop_signals[:1] or [0])  # noted by a signal handler
-                dist.all_reduce(stopping, dist.ReduceOp.MAX, group=self.cpu_group)  # all stop here
-                if stopping:  # after this step: what this rank trained on until now
+                stopped = self._agreed_stop()
+                if stopped:  # after this step: what this rank trained on until now
                     stats[1] = min(len(sampler), (step + 1) * self.args.batch_size)
-                    return stats, int(stopping)
+                    return stats, stopped
         self.model.eval()
         with torch.no_grad():
-            for source, targets in self.val_data:
+            for batch, (source, targets) in enumerate(self.val_data):
                 source = source.to(self.device, non_blocking=True, memory_format=self.layout)
                 targets = targets.to(self.device, non_blocking=True)
                 stats[2] += (self.model(source).argmax(1) == targets).sum()
+                stopped = self._agreed_stop() if batch < self.val_checks else 0
+                if stopped:  # however long the evaluation: a resume evaluates this epoch again
+                    return stats, stopped
         return stats, 0
 
     def train(self) -> int:
-        """Trains to the end (returns 0), or until a stop signal (returns 128 + it, as a shell)."""
+        """Trains to the end (returns 0), or until a stop signal (returns 128 + it, as a shell);
+        1 when a snapshot could not be written."""
         processes = self.train_data.sampler.num_replicas  # that share each batch
         global_batch = self.args.batch_size * self.args.grad_accum * processes
         epochs_run, skipped, loss_sum = self.resume_at
+        if epochs_run >= self.args.total_epochs and self.global_rank == 0:
+            path, total = self.args.snapshot_path, self.args.total_epochs
+            print(f"{path} holds all {total} epochs already: raise total_epochs to train on")
         for epoch in range(epochs_run, self.args.total_epochs):
             start = time.perf_counter()
             stats, stopped = self._run_epoch(epoch, skipped, loss_sum)
             dist.all_reduce(stats)  # sums over all ranks: rank 0 prints global figures
             loss_sum, samples, correct, evaluated = stats.tolist()  # the epoch's one host sync
-            if stopped and self.global_rank == 0:  # the snapshot says where the epoch stands
-                self._save_snapshot(epoch, int(samples), loss_sum)
+            if stopped and not self._save(epoch, int(samples), loss_sum):  # where it stands
+                return 1
+            if stopped and self.global_rank == 0:
                 where = f"in epoch {epoch + 1} after {int(samples)} samples"
                 print(f"{signal.Signals(stopped).name}: stopped {where}; run again to resume")
             if stopped:
@@ -271,9 +361,11 @@ class Trainer:
             if self.global_rank == 0:
                 print(f"Epoch {epoch + 1} | {figures} | {speed}", flush=True)
             last = epoch + 1 == self.args.total_epochs
-            if self.global_rank == 0 and ((epoch + 1) % self.args.save_every == 0 or last):
-                self._save_snapshot(epoch + 1)
+            if ((epoch + 1) % self.args.save_every == 0 or last) and not self._save(epoch + 1):
+                return 1
             skipped = loss_sum = 0  # the next epoch from its start
+        if self.agreement is not None:  # the last check: answered before the ranks part
+            self.agreement.wait()
         return 0
 
 
@@ -321,11 +413,34 @@ def main(local_rank: int, args: argparse.Namespace) -> int:
     train = {"sampler": sampler, "drop_last": drop_last, "persistent_workers": workers > 0}
     train_data = DataLoader(train_set, args.batch_size, **train, **loading)
     val_data = DataLoader(val_set, 2 * args.batch_size, **loading)  # workers only while evaluating
-    code = Trainer(model, optimizer, train_data, val_data, device, args).train()
+    kept = ("arch", "lr", "seed", "augment", "image_size", "precision")  # decide the result
+    definition = {name: getattr(args, name) for name in kept}
+    processes = sampler.num_replicas  # that share each optimizer step
+    global_batch = args.batch_size * args.grad_accum * processes
+    definition.update(data=[classes, len(train_set), len(val_set.dataset)], batch=global_batch)
+    trainer = Trainer(model, optimizer, train_data, val_data, device, args, definition)
+    code = trainer.train()
     dist.destroy_process_group()
     atexit._run_exitfuncs()  # what Python's exit runs: logging's, trackers' and your handlers
     sys.stdout.flush()  # and prints still buffered (under Slurm stdout is a file)
     os._exit(code)  # not the rest: DDP keeps gloo's threads alive, and they can abort it: README
+
+
+def torchrun_variables_from_slurm() -> dict:
+    """What torchrun would set, from Slurm's, in a task of srun python multinode.py."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:  # rank 0's address
+        error = "error: export MASTER_ADDR and MASTER_PORT for srun's tasks (see the first lines)"
+        sys.exit(error if os.environ["SLURM_PROCID"] == "0" else 1)
+    counts = []  # the step's tasks on each node, from a list like 4(x2),3
+    for part in os.environ["SLURM_STEP_TASKS_PER_NODE"].split(","):
+        count, _, times = part.partition("(x")
+        counts += [count] * int(times.rstrip(")") or 1)
+    return {
+        "RANK": os.environ["SLURM_PROCID"],
+        "LOCAL_RANK": os.environ["SLURM_LOCALID"],
+        "WORLD_SIZE": os.environ["SLURM_STEP_NUM_TASKS"],
+        "LOCAL_WORLD_SIZE": counts[int(os.environ["SLURM_NODEID"])],
+    }
 
 
 if __name__ == "__main__":
@@ -339,8 +454,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, no usage
     add = parser.add_argument
-    add("total_epochs", type=integer, nargs="?", default=argparse.SUPPRESS)
-    add("save_every", type=integer, nargs="?", default=argparse.SUPPRESS)
+    add("epochs", type=integer, nargs="?", metavar="total_epochs", help="as --total_epochs")
+    add("every", type=integer, nargs="?", metavar="save_every", help="as --save_every")
     add("--total_epochs", type=integer, default=5, help="epochs in all (5)")
     add("--save_every", type=integer, default=5, help="snapshot every N epochs and at the end")
     add("--batch_size", type=integer, default=32, help="samples per micro-batch and process")
@@ -356,7 +471,12 @@ if __name__ == "__main__":
     add("--deterministic", action="store_true", help="exact resume on GPUs, at some speed")
     add("--compile", action="store_true", help="torch.compile: faster steps, a slow start")
     add("--workers", type=lambda text: integer(text, 0), help="loader processes (GPU: 8, CPU: 0)")
+    add("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)  # the legacy launcher's
     args = parser.parse_args()
+    args.total_epochs = args.epochs or args.total_epochs  # positionals, or flags: either form
+    args.save_every = args.every or args.save_every
+    if "LOCAL_RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:  # srun's tasks
+        os.environ.update(torchrun_variables_from_slurm())
     if "LOCAL_RANK" not in os.environ:
         sys.exit(f"error: start {os.path.basename(__file__)} with torchrun (see its first lines)")
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
