@@ -42,7 +42,6 @@ def note_stop_signal(signum: int, frame: object) -> None:
 if __name__ in ("__main__", "__mp_main__"):  # run as a script (__mp_main__: a spawned process)
     for signum in STOP_SIGNALS:  # noted from here on: before torch, whose import takes seconds
         signal.signal(signum, note_stop_signal)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held while a launcher started us
 
 import torch
 import torch.distributed as dist
@@ -462,13 +461,10 @@ if __name__ == "__main__":
             s.bind(("localhost", int(os.environ.get("MASTER_PORT", 0))))
             os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(s.getsockname()[1]))
         os.environ["WORLD_SIZE"] = str(args.world_size)  # as torchrun does, with RANK and more
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # until the ranks can note them
         ranks = torch.multiprocessing.spawn(main, args=(args,), nprocs=args.world_size, join=False)
-        for rank in ranks.processes if stop_signals else []:  # noted while starting: theirs too
-            os.kill(rank.pid, stop_signals[0])
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # passed on to them from here
-        while not ranks.join(grace_period=5):  # one stops or fails: the others follow in a moment
-            pass
+        while not ranks.join(timeout=1, grace_period=5):  # one stops or fails: the others follow
+            for rank in ranks.processes if stop_signals else []:  # noted before they could: again
+                os.kill(rank.pid, stop_signals[0])
     except OSError as e:
         sys.exit(f"error: MASTER_PORT={os.environ.get('MASTER_PORT')}: {e}; choose a free one")
     except torch.multiprocessing.ProcessExitedException as e:  # killed, or exited after its line

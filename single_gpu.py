@@ -40,7 +40,6 @@ def note_stop_signal(signum: int, frame: object) -> None:
 if __name__ in ("__main__", "__mp_main__"):  # run as a script (__mp_main__: a spawned process)
     for signum in STOP_SIGNALS:  # noted from here on: before torch, whose import takes seconds
         signal.signal(signum, note_stop_signal)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held while a launcher started us
 
 import torch
 import torch.nn.functional as F

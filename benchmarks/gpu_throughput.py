@@ -67,8 +67,8 @@ def loader_rate(single, data_dir: Path, batch: int, device: torch.device, epochs
     """Samples/s of the stages' training loader alone, batches copied to the device."""
     train_set, _, _ = single.load_datasets(str(data_dir), 32, "none")
     loading = {}
-    if device.type == "cuda":  # as the stages do on GPUs
-        workers = torch.get_num_threads()
+    if device.type == "cuda":  # as the stages do on GPUs: min(8, cores of the process)
+        workers = min(8, torch.get_num_threads())
         loading = {"num_workers": workers, "pin_memory": True, "persistent_workers": True}
     loader = torch.utils.data.DataLoader(train_set, batch, shuffle=True, **loading)
     rates = []
@@ -80,7 +80,7 @@ def loader_rate(single, data_dir: Path, batch: int, device: torch.device, epochs
         if device.type == "cuda":
             torch.cuda.synchronize()
         rates.append(len(train_set) / (time.perf_counter() - start))
-    return statistics.median(rates[1:])
+    return statistics.median(rates[1:] or rates)  # the first epoch starts the workers
 
 
 def bare_rate(single, opts: argparse.Namespace, batch: int, precision: str, device) -> float:
@@ -132,7 +132,8 @@ def stage_rate(stage: str, opts, data_dir: Path, batch: int, precision: str, env
     with tempfile.TemporaryDirectory() as cwd:
         run = subprocess.run(command + args, cwd=cwd, env=env, capture_output=True, text=True)
     output = run.stdout + run.stderr
-    rates = [int(rate) for epoch, rate in RATE.findall(output) if int(epoch) > 1]
+    rates = [int(rate) for epoch, rate in RATE.findall(output)]
+    rates = rates[1:] or rates  # the first epoch pays for start-up, unless it is the only one
     if run.returncode or not rates:
         sys.exit(f"error: {stage} failed:\n{output}")
     warnings = [line for line in output.splitlines() if "Warning" in line or "warn" in line]
@@ -181,6 +182,9 @@ def main() -> None:
         loader = loader_rate(single, data_dir, batch, device, opts.epochs)
         for precision in opts.precisions.split(","):
             bare = bare_rate(single, opts, batch, precision, device)
+            torch.compiler.reset()  # nothing of the bare runs on the GPU while the stages run:
+            if device.type == "cuda":  # neither compiled graphs nor cached memory
+                torch.cuda.empty_cache()
             bound = min(loader, bare)
             cells = []
             for stage in stages:

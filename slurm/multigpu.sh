@@ -19,7 +19,16 @@ set -euo pipefail
 # NCCL_DEBUG=INFO shows how NCCL connects the GPUs; useful when a job hangs at start.
 # Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
 # saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
-snapshot=${SNAPSHOT:-snapshot.pt}  # set SNAPSHOT rather than --snapshot_path: this script checks the file
+snapshot=${SNAPSHOT:-snapshot.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
+args=("$@")
+for i in "${!args[@]}"; do
+    case ${args[i]} in
+        --snapshot_path=*) snapshot=${args[i]#*=} ;;
+        --snapshot_path) snapshot=${args[i + 1]:-$snapshot} ;;
+    esac
+done
+# Slurm 22.05 to 23.02 do not pass --cpus-per-task on to srun: without this, each step could run on one core.
+[ -z "${SLURM_CPUS_PER_TASK:-}" ] || export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 echo "Job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)) (requeued ${SLURM_RESTART_COUNT:-0} times)"
 saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # opened: fresh on NFS too
 before=$(saved || true)
@@ -28,8 +37,12 @@ status=0
 srun python multigpu.py --snapshot_path "$snapshot" "$@" &
 wait $! || wait $! || status=$?  # again when the trap interrupted the first wait: the run's own status
 if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
+    if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-20}" ]; then  # stopped early at every start
+        echo "Stopped early with its progress saved in $snapshot, again: not requeued after ${MAX_REQUEUES:-20} requeues"
+        exit "$status"
+    fi
     echo "Stopped early with its progress saved in $snapshot: requeued to go on"
-    scontrol requeue "$SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" || { echo "scontrol requeue failed: submit the job again to go on"; exit "$status"; }
     sleep 60  # Slurm ends this start now: exiting first would end the job as failed, not requeued
 fi
 exit "$status"

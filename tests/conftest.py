@@ -40,6 +40,7 @@ TEST_HOOKS = (
     "RECORD_DIR",
     "EXIT_HOOKS",
     "TORCH_DISABLE_SHARE_RDZV",
+    "MASTER_",
 )
 
 
@@ -51,7 +52,7 @@ def free_port() -> int:
 
 def stage_env(**extra: str) -> dict:
     """CPU + gloo even on a GPU machine, and the test hooks of tests/faults, idle unless set."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(TEST_HOOKS)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith((*TEST_HOOKS, "SLURM_"))}
     env.update(
         CUDA_VISIBLE_DEVICES="",
         PYTHONUNBUFFERED="1",
@@ -65,13 +66,24 @@ def stage_env(**extra: str) -> dict:
 RESTARTS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # what --max-restarts needs (README)
 
 
+LEGACY_LAUNCHER = [sys.executable, "-m", "torch.distributed.launch"]
+
+
 def stage_command(
-    stage: str, args: list, node: int | None, endpoint: str, torchrun_args=(), nproc: int = 2
+    stage: str,
+    args: list,
+    node: int | None,
+    endpoint: str,
+    torchrun_args=(),
+    nproc: int = 2,
+    launcher: list | None = None,
 ) -> list:
     script = str(REPO / f"{stage}.py")
     if stage in ("single_gpu", "multigpu") or nproc == 0:
         return [sys.executable, script, *args]
-    if stage == "multigpu_torchrun":
+    if launcher:  # another launcher on one machine: torch.distributed.launch
+        torchrun = [*launcher, f"--nproc_per_node={nproc}"]
+    elif stage == "multigpu_torchrun":
         torchrun = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"]
     else:
         rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=test"]
@@ -108,16 +120,21 @@ def start(
     torchrun_args=(),
     node_cwds=None,
     nproc: int = 2,
+    host: str = "127.0.0.1",
+    launcher: list | None = None,
 ) -> list[subprocess.Popen]:
-    """Start a stage as a user does; multinode is two torchrun agents ("nodes") on this machine.
-    nproc=0: python SCRIPT, even for the torchrun stages."""
+    """Start a stage as a user does; multinode is two torchrun agents ("nodes") on this machine,
+    meeting at `host` ("[::1]": IPv6). nproc=0: python SCRIPT, even for the torchrun stages;
+    launcher: that command in place of torchrun."""
     env = env or stage_env()
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"{host}:{free_port()}"
     nodes = [0, 1] if stage == "multinode" and nproc else [None]
     cwds = node_cwds or (cwd, cwd)
     return [
         subprocess.Popen(
-            stage_command(stage, [str(a) for a in args], node, endpoint, torchrun_args, nproc),
+            stage_command(
+                stage, [str(a) for a in args], node, endpoint, torchrun_args, nproc, launcher
+            ),
             cwd=cwds[i],
             env=env,
             stdout=subprocess.PIPE,
@@ -367,7 +384,8 @@ def runs(tmp_path_factory):
         args = [EPOCHS, 1, *global_batch_args(stage)]
         runs.start(f"reference-{stage}", cwd, stage=stage, args=args, env=env)
     # The slowest first: the compiler (test_stages.py).
-    runs.start("compile", folder("compile"), stage="single_gpu", args=[1, 1, "--compile"])
+    flags = ["--total_epochs", 1, "--save_every", 1]  # the form of the walkthroughs: test_stages.py
+    runs.start("compile", folder("compile"), stage="single_gpu", args=[*flags, "--compile"])
     # Stopped after epoch 2 and started again; "cross": multinode.py's snapshot in single_gpu.py;
     # "longer": resumed with another total_epochs, so another learning-rate schedule.
     for name, stage, source, epochs in (
@@ -469,7 +487,18 @@ def runs(tmp_path_factory):
         cwd = folder(f"exit-hooks-{stage}")
         env = stage_env(EXIT_HOOKS=str(cwd))
         env.pop("PYTHONUNBUFFERED")
-        runs.start(f"exit-hooks-{stage}", cwd, stage=stage, args=[1, 1], env=env)
+        runs.start(f"exit-hooks-{stage}", cwd, stage=stage, args=flags, env=env)
+    # The legacy launcher; two "nodes" that meet at an IPv6 address (test_stages.py).
+    legacy = {"launcher": LEGACY_LAUNCHER}
+    runs.start("legacy", folder("legacy"), stage="multigpu_torchrun", args=[1, 1], **legacy)
+    args = [1, 1, "--batch_size", 32]
+    runs.start("ipv6", folder("ipv6"), stage="multinode", args=args, host="[::1]")
+    # The second snapshot cannot be written: a full disk (test_faults.py).
+    for stage in STAGES:
+        env = stage_env(FAULT_SAVE="full", FAULT_SAVE_FROM="2")
+        runs.start(
+            f"disk-full-{stage}", folder(f"disk-full-{stage}"), stage=stage, args=[2, 1], env=env
+        )
     # Bad input, as a user sees it (test_errors.py).
     runs.start("no-torchrun", folder("no-torchrun"), stage="multinode", args=[2, 1], nproc=0)
     cwd = folder("bad-snapshot")

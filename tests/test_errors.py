@@ -4,14 +4,16 @@ snapshot untouched."""
 import contextlib
 import io
 import runpy
+import shutil
 import socket
+import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
 
-from conftest import REPO, write_bad_snapshot
+from conftest import REPO, stage_env, write_bad_snapshot
 
 
 def run_in_process(stage: str, args: list, monkeypatch) -> str:
@@ -168,3 +170,77 @@ def test_googlenet_is_refused_in_one_line(workdir, monkeypatch):
     assert "auxiliary" in run_in_process(
         "single_gpu", ["2", "1", "--arch", "googlenet"], monkeypatch
     )
+
+
+@pytest.mark.parametrize(
+    "flags, differs",
+    [
+        (["--batch_size", "16"], "batch 64, not 16"),  # the reference's global batch: 64
+        (["--total_epochs", "5", "--batch_size", "64", "--lr", "0.001"], "lr 0.003, not 0.001"),
+        (["--batch_size", "64", "--seed", "-1"], "seed 0, not -1"),
+        (["--batch_size", "32", "--grad_accum", "2", "--arch", "resnet18"], "arch convnet, not"),
+    ],
+)
+def test_a_snapshot_of_another_run_is_refused(reference_runs, workdir, monkeypatch, flags, differs):
+    """Another experiment on the same path: one line that names what differs, the file kept."""
+    shutil.copyfile(reference_runs["single_gpu"][0] / "snapshot.pt", workdir / "snapshot.pt")
+    before = (workdir / "snapshot.pt").read_bytes()
+    message = run_in_process("single_gpu", flags, monkeypatch)
+    assert "snapshot.pt holds another run" in message and differs in message, message
+    assert (workdir / "snapshot.pt").read_bytes() == before
+
+
+def test_a_snapshot_path_in_use_is_refused(workdir, monkeypatch):
+    """A second run on the path of a run that is training stops at start with one line."""
+    first = subprocess.Popen(
+        [sys.executable, str(REPO / "single_gpu.py"), "400", "1"],
+        cwd=workdir,
+        env=stage_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in first.stdout:
+            if line.startswith("Epoch 1 "):
+                break
+        message = run_in_process("single_gpu", ["400", "1"], monkeypatch)
+        assert "snapshot.pt is in use by another run" in message, message
+        assert first.poll() is None
+    finally:
+        first.kill()
+        first.communicate()
+
+
+@pytest.mark.parametrize("path", ["missing/snapshot.pt", "/proc/snapshot.pt"])
+def test_a_snapshot_that_cannot_be_written_is_said_at_start(workdir, monkeypatch, path):
+    """A missing folder, or one that nobody may write to: one line before any training."""
+    message = run_in_process("single_gpu", ["2", "1", "--snapshot_path", path], monkeypatch)
+    assert f"cannot save {path}" in message, message
+
+
+@pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
+@pytest.mark.parametrize("flag", ["--local-rank=0", "--local_rank=0"])
+def test_the_legacy_launchers_flag_is_accepted(workdir, monkeypatch, stage, flag):
+    """torch.distributed.launch passes --local-rank=N: no "unrecognized arguments"."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+    assert "with torchrun" in run_in_process(stage, ["2", "1", flag], monkeypatch)
+
+
+def test_srun_tasks_without_an_address_say_so_once(workdir, monkeypatch):
+    """srun python multinode.py without MASTER_ADDR: rank 0 says what to export, the others
+    exit without a line."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    slurm = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "0"}
+    for name, value in {**slurm, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    assert "export MASTER_ADDR and MASTER_PORT" in run_in_process(
+        "multinode", ["2", "1"], monkeypatch
+    )
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setattr(sys, "argv", ["multinode.py", "2", "1"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "multinode.py"), run_name="__main__")
+    assert exit_info.value.code == 1

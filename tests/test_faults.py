@@ -21,9 +21,7 @@ def test_crash_while_saving_keeps_the_previous_snapshot(reference_runs, runs):
     cwd, run = runs["save"]
     assert run.returncode == -9, run.output
     assert load(cwd / "snapshot.pt")["epoch"] == 1
-    assert (
-        cwd / "snapshot.pt.tmp"
-    ).exists()  # the half-written file never took snapshot.pt's place
+    assert list(cwd.glob("snapshot.pt.*.tmp"))  # the half-written file never took its place
     cwd, run = runs["save-resume"]  # the same folder, copied, started again
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == list(range(2, EPOCHS + 1)), (
         run.output
@@ -84,3 +82,14 @@ def test_ranks_that_load_different_files_stop_at_once(runs, name):
     expected = "different snapshots" if name.endswith("same-epoch") else "cannot resume"
     assert run.returncode != 0 and run.output.count("error: ") == 1, run.output
     assert expected in run.output and "Epoch" not in run.output and run.seconds < 60, run.output
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_snapshot_that_cannot_be_written_ends_the_job(runs, stage):
+    """The second save meets a full disk: one error line for the job, a failing exit code, every
+    process ended, the first snapshot intact, no temporary file."""
+    cwd, run = runs[f"disk-full-{stage}"]
+    assert run.returncode == 1 and run.output.count("error: ") == 1, run.output
+    assert "error: cannot save snapshot.pt: [Errno 28] No space left on device" in run.output
+    assert [e[0] for e in run.epochs()] == [1, 2] and not processes_in(cwd), run.output
+    assert load(cwd / "snapshot.pt")["epoch"] == 1 and not list(cwd.glob("*.tmp"))

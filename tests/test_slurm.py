@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EPOCH_LINE, STAGES, assert_bitwise_equal, launch, load
+from conftest import EPOCH_LINE, EPOCHS, STAGES, assert_bitwise_equal, launch, load, max_param_diff
 from slurm_cluster import copy_repo, follow
 
 
@@ -41,14 +41,16 @@ def uninterrupted(root: Path, *args) -> tuple:
     return load(cwd / "snapshot.pt"), epochs_of(run.output)
 
 
-def assert_requeued_and_finished(finished: dict, cwd: Path, args: list) -> None:
+def assert_requeued_and_finished(
+    finished: dict, cwd: Path, args: list, snapshot: str = "snapshot.pt", reference=None
+) -> None:
     log = finished["log"]
     assert finished["ended"] == "COMPLETED", finished["state"] + log  # the batch file exited 0
     assert "start 2 (requeued 1 times)" in log and "requeued to go on" in log, log
     assert log.count("stopped in epoch") == log.count("requeued to go on"), log
-    reference, epochs = uninterrupted(cwd.parent, *args)
-    assert epochs_of(log) == epochs, log  # every epoch once, the stopped ones included
-    assert_bitwise_equal(load(cwd / "snapshot.pt"), reference)
+    reference = reference or uninterrupted(cwd.parent, *args)
+    assert epochs_of(log) == reference[1], log  # every epoch once, the stopped ones included
+    assert_bitwise_equal(load(cwd / snapshot), reference[0])
 
 
 @pytest.mark.slow
@@ -64,12 +66,16 @@ def test_time_limit_warns_saves_and_requeues(slurm_env, tmp_path):
 
 
 @pytest.mark.slow
-def test_preempted_job_requeues_itself(slurm_env, tmp_path):
+@pytest.mark.parametrize("snapshot", ["snapshot.pt", "experiment.pt"])
+def test_preempted_job_requeues_itself(slurm_env, tmp_path, snapshot):
     """SIGTERM to every process of the job's steps, as a preemption with a grace time sends it
-    (scancel --signal=TERM), once epoch 2 is logged; no time limit in the way."""
+    (scancel --signal=TERM), once epoch 2 is logged; no time limit in the way. With
+    --snapshot_path among the job's arguments too: the batch file watches that file."""
     cwd = tmp_path / "repo"
     copy_repo(cwd)
     args = [6, 3, "--batch_size", 8]
+    if snapshot != "snapshot.pt":
+        args += [f"--snapshot_path={snapshot}"]
     sent = []
 
     def preempt(job: str, log: str) -> None:
@@ -78,4 +84,62 @@ def test_preempted_job_requeues_itself(slurm_env, tmp_path):
 
     finished = follow(slurm_env, cwd, ["slurm/multinode.sh", *args], during=preempt)
     assert sent, finished["log"]
-    assert_requeued_and_finished(finished, cwd, args)
+    assert_requeued_and_finished(finished, cwd, args, snapshot)
+
+
+@pytest.mark.slow
+def test_a_job_stopped_at_every_start_ends_after_its_requeues(slurm_env, tmp_path):
+    """Preempted at every start (MAX_REQUEUES=1): requeued once, then the job ends as failed
+    rather than loop; its log says why."""
+    cwd = tmp_path / "repo"
+    copy_repo(cwd)
+    sent = []
+
+    def preempt(job: str, log: str) -> None:
+        latest = log.rsplit(f"Job {job}, start", 1)[-1]
+        if log.count(f"Job {job}, start") > len(sent) and "Epoch " in latest:
+            sent.append(subprocess.run(["scancel", "--signal=TERM", job], env=slurm_env))
+
+    command = ["--export=ALL,MAX_REQUEUES=1", "slurm/multinode.sh", 6, 1, "--batch_size", 8]
+    finished = follow(slurm_env, cwd, command, during=preempt)
+    log = finished["log"]
+    assert finished["ended"] == "FAILED" and len(sent) == 2, finished["state"] + log
+    assert log.count("requeued to go on") == 1 and "not requeued after 1 requeues" in log, log
+
+
+def srun_job(slurm_env, root: Path, name: str, args: list, sbatch=()) -> tuple:
+    """slurm/multinode_srun.sh on 2 nodes x 2 tasks (srun python multinode.py, no torchrun)."""
+    cwd = root / name
+    copy_repo(cwd)
+    command = [*sbatch, "--ntasks-per-node=2", "slurm/multinode_srun.sh", *args]
+    return cwd, follow(slurm_env, cwd, command)
+
+
+@pytest.mark.slow
+def test_srun_tasks_train_as_torchrun_does(slurm_env, tmp_path):
+    """Four srun tasks (2 nodes x 2) x 16 train the model that two torchrun nodes x 32 train:
+    global batch 64 either way; one log, every epoch once."""
+    args = [EPOCHS, 1, "--batch_size", 16]
+    cwd, finished = srun_job(slurm_env, tmp_path, "srun", args)
+    log = finished["log"]
+    assert finished["ended"] == "COMPLETED", finished["state"] + log
+    assert "start 1 (requeued 0 times)" in log and "Traceback" not in log, log
+    assert [e[0] for e in epochs_of(log)] == list(range(1, EPOCHS + 1)), log
+    reference, _ = uninterrupted(tmp_path, EPOCHS, 1, "--batch_size", 32)
+    assert max_param_diff(load(cwd / "snapshot.pt"), reference) <= 1e-4
+
+
+@pytest.mark.slow
+def test_srun_job_warned_before_its_time_limit_requeues_itself(slurm_env, tmp_path):
+    """multinode_srun.sh under a 1-minute limit, warned 45 s before it: every task stops after a
+    step, rank 0 saves, the job requeues itself until the run ends, bit for bit where the same
+    four ranks end uninterrupted (torchrun, one machine)."""
+    args = [30, 10, "--batch_size", 2]
+    sbatch = ["--time=1", "--signal=B:USR1@45"]
+    cwd, finished = srun_job(slurm_env, tmp_path, "srun-limited", args, sbatch)
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    run = launch("multigpu_torchrun", args, straight, timeout=900, nproc=4)
+    assert run.returncode == 0, run.output
+    reference = load(straight / "snapshot.pt"), epochs_of(run.output)
+    assert_requeued_and_finished(finished, cwd, args, reference=reference)

@@ -202,23 +202,111 @@ def test_learning_rate_warms_up_then_decays_to_zero():
 def test_a_cpu_snapshot_resumes_in_the_gpu_layout(tmp_path):
     """On GPUs the model is channels-last and AdamW fused, whose kernel needs moments with the
     parameters' strides: loaded from a CPU snapshot, they have them."""
-    module = single_gpu()
-    model = module.build_model("convnet", 10)
+    model = single_gpu().build_model("convnet", 10)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optimizer.step()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1},
                tmp_path / "snapshot.pt")  # fmt: skip
-    trainer = module.Trainer.__new__(module.Trainer)  # the GPU configuration, on the CPU
-    trainer.model = module.build_model("convnet", 10).to(memory_format=torch.channels_last)
-    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), fused=True)
-    trainer.device, trainer.global_rank = torch.device("cpu"), 0
-    trainer.args = SimpleNamespace(snapshot_path=str(tmp_path / "snapshot.pt"), total_epochs=1)
+    trainer = gpu_like_trainer(tmp_path / "snapshot.pt", fused=True)
     assert not trainer._load_snapshot().startswith("error")
     for param, state in trainer.optimizer.state.items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert state[key].stride() == param.stride(), key
     assert any(p.dim() == 4 for p in trainer.optimizer.state)  # convolutions were checked
+
+
+def gpu_like_trainer(path, fused: bool):
+    """A Trainer of the default model as the GPU path builds it (channels-last; fused AdamW when
+    asked), on the CPU, without data: enough to load a snapshot."""
+    module = single_gpu()
+    trainer = module.Trainer.__new__(module.Trainer)
+    trainer.model = module.build_model("convnet", 10).to(memory_format=torch.channels_last)
+    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), fused=fused)
+    trainer.device, trainer.global_rank, trainer.definition = torch.device("cpu"), 0, {}
+    trainer.args = SimpleNamespace(snapshot_path=str(path), total_epochs=1)
+    return trainer
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_optimizer_implementation_comes_from_the_machine(tmp_path, fused):
+    """A snapshot of the other device type (fused AdamW on GPUs, not on a laptop) resumes with
+    this machine's choice: the file's `fused` would switch the GPU's fused kernel off for good."""
+    torch.manual_seed(0)
+    saved = gpu_like_trainer(tmp_path / "snapshot.pt", fused=not fused)
+    saved.model(torch.randn(2, 3, 32, 32)).sum().backward()
+    saved.optimizer.step()
+    snapshot = {"model": saved.model.state_dict(), "optimizer": saved.optimizer.state_dict()}
+    torch.save({**snapshot, "epoch": 1}, tmp_path / "snapshot.pt")
+    trainer = gpu_like_trainer(tmp_path / "snapshot.pt", fused=fused)
+    assert not trainer._load_snapshot().startswith("error")
+    group = trainer.optimizer.param_groups[0]
+    assert group["fused"] is fused and group["foreach"] is None, group
+    step = next(iter(trainer.optimizer.state.values()))["step"]
+    assert step.dtype == torch.float32 and step.dim() == 0 and step.item() == 1  # where it goes
+    trainer.model(torch.randn(2, 3, 32, 32)).sum().backward()
+    trainer.optimizer.step()  # the chosen implementation runs from the loaded state
+    assert trainer.optimizer.state_dict()["param_groups"][0]["fused"] is fused
+
+
+def test_more_processes_than_gpus_are_refused(monkeypatch):
+    """4 processes on a node that shows 2 GPUs would put two on one GPU (NCCL: "Duplicate GPU
+    detected"): one line from local rank 0 before the process group starts, the others exit 1."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as exit_info:
+        single_gpu().setup(0, 4)
+    assert exit_info.value.code == "error: 4 processes on this node and 2 GPUs: one GPU each"
+    with pytest.raises(SystemExit) as exit_info:
+        single_gpu().setup(3, 4)
+    assert exit_info.value.code == 1
+
+
+def test_every_generator_a_transform_draws_from_is_seeded_by_sample(tmp_path):
+    """torch, random and numpy (RandomChoice, RandomOrder, users' transforms) draw the same for
+    a sample whatever the loader workers; --seed -1 and -2 differ (hash(-1) == hash(-2))."""
+    import random
+
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+    module = single_gpu()
+
+    class Draws(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            return torch.tensor([torch.rand(1).item(), random.random(), np.random.rand()])
+
+    def draws(seed: int, workers: int) -> torch.Tensor:
+        data = module.Seeded(Draws(), range(8))
+        sampler = module.EpochSampler(data, num_replicas=1, rank=0, seed=seed)
+        loader = DataLoader(data, 4, sampler=sampler, num_workers=workers)
+        return torch.cat(list(loader))
+
+    first = draws(0, 0)
+    assert torch.equal(first, draws(0, 2))
+    assert len(set(first.flatten().tolist())) == first.numel()  # none repeats another
+    assert not torch.equal(draws(-1, 0), draws(-2, 0))
+
+
+def test_ranks_compare_snapshots_without_holding_them_in_memory(tmp_path):
+    """The digest of what each rank loaded reads the file a block at a time: eight ranks of a
+    node must not hold eight copies of a multi-gigabyte snapshot at once."""
+    import tracemalloc
+
+    trainer = gpu_like_trainer(tmp_path / "snapshot.pt", fused=False)
+    trainer.model = torch.nn.Linear(4096, 4096)  # 64 MiB of weights
+    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters())
+    torch.save({"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+                "epoch": 1}, tmp_path / "snapshot.pt")  # fmt: skip
+    tracemalloc.start()
+    try:
+        assert not trainer._load_snapshot().startswith("error")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, peak
 
 
 def test_each_process_takes_a_gpu_it_can_see(monkeypatch):
@@ -228,3 +316,25 @@ def test_each_process_takes_a_gpu_it_can_see(monkeypatch):
     assert single_gpu().setup(3, 4) == torch.device("cuda", 0)
     lines = {(REPO / f"{s}.py").read_text().split("local_rank % gpus")[0][-80:] for s in STAGES}
     assert len(lines) == 1  # the same choice in every stage
+
+
+def test_flags_as_the_walkthroughs_write_them(runs):
+    """--total_epochs 1 --save_every 1 in every stage (the compile and exit-hooks runs): it
+    trains, where Python 3.10 and 3.11 refused the flags of a positional's pair."""
+    for name in ["compile"] + [f"exit-hooks-{stage}" for stage in STAGES[1:]]:
+        run = runs[name][1]
+        assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], (name, run.output)
+
+
+def test_the_legacy_launcher_trains(runs):
+    """python -m torch.distributed.launch --nproc_per_node=2: --local-rank=N, then training."""
+    run = runs["legacy"][1]
+    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
+    assert "unrecognized arguments" not in run.output, run.output
+
+
+def test_nodes_meet_at_an_ipv6_endpoint(runs):
+    """--rdzv-endpoint=[::1]:PORT, as the walkthrough writes [ipv6_address_master_node]:29603."""
+    run = runs["ipv6"][1]
+    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
+    assert [e[4] for e in run.epochs()] == [64], run.output

@@ -25,6 +25,7 @@ from conftest import (
     make_image_tree,
     max_param_diff,
     processes_in,
+    stage_env,
     start,
 )
 
@@ -166,3 +167,124 @@ def test_loader_workers_leave_the_stop_to_their_process(root, stage):
     assert resumed.returncode == 0, resumed.output
     reference, _ = uninterrupted(stage, root, EPOCHS, 1, *global_batch_args(stage))
     assert_bitwise_equal(load(cwd / "snapshot.pt"), reference)  # workers or not: same model
+
+
+def assert_saved_where_it_stopped(output: str, cwd: Path, name: str) -> dict:
+    """One stop line that says where the snapshot stands, and no temporary file left."""
+    ours = [line for line in output.splitlines() if STOP_LINE in line]
+    assert len(ours) == 1 and ours[0].startswith(f"{name}: stopped in epoch "), output
+    snapshot = load(cwd / "snapshot.pt")
+    assert f"stopped in epoch {snapshot['epoch'] + 1} after {snapshot['samples']} " in ours[0]
+    assert not list(cwd.glob("*.tmp")), output
+    return snapshot
+
+
+def assert_resumes_bit_for_bit(stage: str, args: list, cwd: Path, root: Path, first: str) -> None:
+    """Started again, the run ends where the uninterrupted one ends, with its epoch lines."""
+    resumed = launch(stage, args, cwd, timeout=600)
+    assert resumed.returncode == 0, resumed.output
+    reference, lines = uninterrupted(stage, root, *args)
+    assert_bitwise_equal(load(cwd / "snapshot.pt"), reference)
+    logged = [e[:5] for e in Run(0, first, 0).epochs()] + [e[:5] for e in resumed.epochs()]
+    assert logged == lines, first + resumed.output
+
+
+def faulty_run(stage: str, args: list, cwd: Path, **faults: str) -> Run:
+    cwd.mkdir()
+    return launch(stage, args, cwd, env=stage_env(**faults), timeout=600)
+
+
+@pytest.mark.slow
+def test_a_slow_write_at_a_stop_is_waited_for(root):
+    """multigpu.py stopped while its snapshot takes 15 s to write (a large model on NFS): the
+    other rank waits for the write instead of exiting, so the launcher kills nobody."""
+    args = [EPOCHS, 10, *global_batch_args("multigpu")]  # no save before the stop
+    cwd = root / "slow-write"
+    run = faulty_run("multigpu", args, cwd, FAULT_SAVE="slow:15", FAULT_SIGNAL="SIGTERM:step:15")
+    assert run.returncode == 128 + signal.SIGTERM, run.output
+    assert assert_saved_where_it_stopped(run.output, cwd, "SIGTERM")["samples"] > 0
+    assert_resumes_bit_for_bit("multigpu", args, cwd, root, run.output)
+
+
+@pytest.mark.slow
+def test_a_long_evaluation_stops_within_a_batch(root):
+    """torchrun is sent SIGTERM as a one-minute evaluation starts; it kills its workers 30 s
+    later. They stop after an evaluation batch, save, and the resumed run evaluates again."""
+    args = [EPOCHS, 1, "--batch_size", 2]  # 10 evaluation batches of 4 per rank: 6 s each
+    cwd = root / "long-evaluation"
+    faults = {"FAULT_EVAL_SECONDS": "60", "FAULT_SIGNAL": "SIGTERM:eval"}
+    run = faulty_run("multigpu_torchrun", args, cwd, **faults, FAULT_SIGNAL_TO="parent")
+    assert run.returncode != 0 and run.seconds < 60, run.output
+    snapshot = assert_saved_where_it_stopped(run.output, cwd, "SIGTERM")
+    assert snapshot["epoch"] == 0 and snapshot["samples"] == 640, run.output  # trained, not rated
+    assert_resumes_bit_for_bit("multigpu_torchrun", args, cwd, root, run.output)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
+@pytest.mark.parametrize("step", [13, 14])
+def test_a_stop_at_the_end_of_an_epoch_resumes_exactly(root, stage, step):
+    """14 steps an epoch, the last one short (640 = 13 x 48 + 16): stopped after step 14 or 15,
+    the resumed run neither trains the short step again nor skips one."""
+    args = [2, 1, "--batch_size", 48 if stage == "single_gpu" else 24]
+    cwd = root / f"epoch-end-{stage}-{step}"
+    run = faulty_run(stage, args, cwd, FAULT_SIGNAL=f"SIGTERM:step:{step}")
+    assert run.returncode == 128 + signal.SIGTERM, run.output
+    assert_saved_where_it_stopped(run.output, cwd, "SIGTERM")
+    assert_resumes_bit_for_bit(stage, args, cwd, root, run.output)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.5])
+def test_ctrl_c_while_multigpu_starts_stops_the_run(root, delay):
+    """SIGINT to python multigpu.py before its ranks exist: they stop after a step, saved,
+    rather than train to the end."""
+    args = [EPOCHS, 1, *global_batch_args("multigpu")]
+    cwd = root / f"early-{delay}"
+    cwd.mkdir()
+    (proc,) = start("multigpu", args, cwd)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert_saved_where_it_stopped(output, cwd, "SIGINT")
+    assert_resumes_bit_for_bit("multigpu", args, cwd, root, output)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
+def test_a_second_ctrl_c_ends_the_job_at_once(root, stage):
+    """The second save hangs (a hung filesystem). Ctrl-C is noted and waits for a step that never
+    comes; a second one ends every process at once, and snapshot.pt still holds epoch 1."""
+    cwd = root / f"second-ctrl-c-{stage}"
+    cwd.mkdir()
+    env = stage_env(FAULT_SAVE="slow:600", FAULT_SAVE_FROM="2")
+    (proc,) = start(stage, [EPOCHS, 1], cwd, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith("Epoch 2 "):
+                break
+        proc.send_signal(signal.SIGINT)
+        time.sleep(2)
+        assert proc.poll() is None, "the first Ctrl-C waits for a step"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 128 + signal.SIGINT
+    finally:
+        proc.kill()
+        proc.communicate()
+    time.sleep(1)
+    assert not processes_in(cwd)
+    end_processes_in(cwd)
+    assert load(cwd / "snapshot.pt")["epoch"] == 1
+
+
+@pytest.mark.slow
+def test_a_snapshot_that_cannot_be_written_at_a_stop_fails_the_job(root):
+    cwd = root / "full-at-stop"
+    run = faulty_run(
+        "multigpu", [EPOCHS, 10], cwd, FAULT_SAVE="full", FAULT_SIGNAL="SIGTERM:step:3"
+    )
+    assert run.returncode == 1 and run.output.count("error: ") == 1, run.output
+    assert "cannot save snapshot.pt: [Errno 28] No space left on device" in run.output, run.output
+    assert STOP_LINE not in run.output and "Traceback" not in run.output, run.output
+    assert not list(cwd.iterdir()) or [p.name for p in cwd.iterdir()] == ["snapshot.pt.lock"]

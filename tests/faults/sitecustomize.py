@@ -11,6 +11,14 @@ themselves carry no test hooks:
   RECORD_DIR=DIR                  write the sample indices each rank trains on and evaluates
   EXIT_HOOKS=DIR                  as a user's code would: print a line without flushing it, and
                                   register an atexit handler that writes DIR/atexit-PID
+  FAULT_SAVE=slow:SECONDS|full    every torch.save waits SECONDS before it writes, or writes part
+                                  of the file and fails as a full disk does...
+  FAULT_SAVE_FROM=N               ...from the N-th save of the process on (1)
+  FAULT_EVAL_SECONDS=S            every evaluation takes S seconds more, spread over its batches
+  FAULT_SIGNAL=NAME:WHEN          rank 0 sends itself signal NAME once: WHEN is step:N (after its
+                                  N-th optimizer step), eval (as its first evaluation batch is
+                                  loaded) or save (as its first save starts)
+  FAULT_SIGNAL_TO=parent          ...to its parent instead: the launcher (torchrun)
 """
 
 import os
@@ -22,7 +30,8 @@ if os.environ.get("EXIT_HOOKS"):
     _marker = os.path.join(os.environ["EXIT_HOOKS"], f"atexit-{os.getpid()}")
     atexit.register(lambda: open(_marker, "w").close())
 
-if any(os.environ.get(k) for k in ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR")):
+HOOKS = ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR", "FAULT_SAVE", "FAULT_EVAL_")
+if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIGNAL"):
     import io
     import json
     import shutil
@@ -106,3 +115,72 @@ if any(os.environ.get(k) for k in ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS",
 
         DistributedSampler.__iter__ = sampler_iter
         DataLoader.__init__ = loader_init
+
+    if os.environ.get("FAULT_SIGNAL"):
+        import time
+
+        _name, _when, *_at_step = os.environ["FAULT_SIGNAL"].split(":")
+        _sent = []
+
+        def send(when: str) -> None:
+            if when == _when and _rank() == 0 and not _sent:
+                _sent.append(time.time())
+                to_parent = os.environ.get("FAULT_SIGNAL_TO") == "parent"
+                os.kill(os.getppid() if to_parent else os.getpid(), signal.Signals[_name])
+
+        _steps = [0]
+
+        def after_step(optimizer, args, kwargs) -> None:
+            _steps[0] += 1
+            if _at_step and _steps[0] == int(_at_step[0]):
+                send("step")
+
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(after_step)
+    else:
+
+        def send(when: str) -> None:
+            pass
+
+    if os.environ.get("FAULT_SAVE") or os.environ.get("FAULT_SIGNAL"):
+        import errno
+        import time
+
+        _save_slowly, _saves_begun = torch.save, [0]
+
+        def save_slowly(obj, f, *args, **kwargs):
+            send("save")
+            _saves_begun[0] += 1
+            how, _, seconds = os.environ.get("FAULT_SAVE", "").partition(":")
+            if _saves_begun[0] < int(os.environ.get("FAULT_SAVE_FROM", 1)):
+                how = ""
+            if how == "slow":
+                time.sleep(float(seconds))
+            if how != "full":
+                return _save_slowly(obj, f, *args, **kwargs)
+            f.write(b"part of a snapshot")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        torch.save = save_slowly
+
+    if os.environ.get("FAULT_EVAL_SECONDS") or os.environ.get("FAULT_SIGNAL"):
+        import time
+
+        from torch.utils.data import SequentialSampler
+
+        _loader_iter = DataLoader.__iter__
+
+        def evaluation(batches, count: int):
+            for batch in batches:
+                send("eval")
+                time.sleep(float(os.environ.get("FAULT_EVAL_SECONDS", 0)) / max(1, count))
+                yield batch
+
+        def loader_iter(self):
+            batches = _loader_iter(self)
+            if isinstance(self.sampler, SequentialSampler):  # the held-out set's loader
+                return evaluation(batches, len(self))
+            return batches
+
+        DataLoader.__iter__ = loader_iter

@@ -1,0 +1,58 @@
+#!/bin/bash
+# Stage 4 on a Slurm cluster without torchrun: srun starts one task per GPU on every node, and each task takes its
+# ranks from Slurm (multinode.py reads SLURM_PROCID, SLURM_LOCALID...). No launcher between Slurm and the trainer:
+# Slurm's signals reach every process directly and the job's exit code is the trainer's own. No restarts of failed
+# processes either: for those, use slurm/multinode.sh (torchrun --max-restarts).
+# Submit from the repository root with your Python environment active:
+#   sbatch slurm/multinode_srun.sh [total_epochs save_every flags...]                  (default: 50 10)
+#   sbatch --gpus-per-node=0 --ntasks-per-node=2 slurm/multinode_srun.sh               (a CPU-only cluster)
+# The repository folder (the snapshot is written there) must be on storage every node sees.
+# Add what your site needs, e.g. #SBATCH --partition=NAME and #SBATCH --account=NAME.
+# Each task uses GPU SLURM_LOCALID % (GPUs it sees): all of a node (here) or its own (--gpus-per-task=1).
+#SBATCH --job-name=multinode_srun
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=4
+#SBATCH --time=01:00:00
+#SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+set -euo pipefail
+[ $# -gt 0 ] || set -- 50 10
+# The tasks meet at the first node of the allocation, on a port of this job's (two jobs on one node do not collide).
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+# Several network interfaces? Name the one the nodes share: export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0
+# NCCL_DEBUG=INFO shows how NCCL connects the nodes; useful when a job hangs at start.
+srun --ntasks-per-node=1 --label hostname  # which nodes the job spans
+# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
+# saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
+snapshot=${SNAPSHOT:-snapshot.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
+args=("$@")
+for i in "${!args[@]}"; do
+    case ${args[i]} in
+        --snapshot_path=*) snapshot=${args[i]#*=} ;;
+        --snapshot_path) snapshot=${args[i + 1]:-$snapshot} ;;
+    esac
+done
+# Slurm 22.05 to 23.02 do not pass --cpus-per-task on to srun: without this, each step could run on one core.
+[ -z "${SLURM_CPUS_PER_TASK:-}" ] || export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+echo "Job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)) (requeued ${SLURM_RESTART_COUNT:-0} times)"
+saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # opened: fresh on NFS too
+before=$(saved || true)
+trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
+status=0
+srun --kill-on-bad-exit=1 python multinode.py --snapshot_path "$snapshot" "$@" &
+wait $! || wait $! || status=$?  # again when the trap interrupted the first wait: the run's own status
+if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
+    if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-20}" ]; then  # stopped early at every start
+        echo "Stopped early with its progress saved in $snapshot, again: not requeued after ${MAX_REQUEUES:-20} requeues"
+        exit "$status"
+    fi
+    echo "Stopped early with its progress saved in $snapshot: requeued to go on"
+    scontrol requeue "$SLURM_JOB_ID" || { echo "scontrol requeue failed: submit the job again to go on"; exit "$status"; }
+    sleep 60  # Slurm ends this start now: exiting first would end the job as failed, not requeued
+fi
+exit "$status"
