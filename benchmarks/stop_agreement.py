@@ -1,14 +1,16 @@
 """The stop agreement's cost per optimizer step: blocking, against in the background (CPU, gloo).
 
-    python benchmarks/stop_agreement.py                 # 2 processes, 5 rounds of 2,000 steps
+    python benchmarks/stop_agreement.py                 # 2 processes, 5 rounds of 1,000 steps
+    python benchmarks/stop_agreement.py --sleep 2.8     # a host that waits 2.8 ms per step
 
-Each process does the same arithmetic per "step" (a matrix product standing for the step's work),
-then checks whether to stop in one of three ways:
+Each process does the same work per "step", then checks whether to stop in one of three ways:
   none       no check: the floor
   blocking   a MAX all-reduce of the noted signal that the step waits for (the stages before)
   overlap    the all-reduce started after the step and read after the next one (the stages now)
-Rounds take the three in turn, so that each sees the same machine; printed: the median ms per
-step of each, and what each check adds to a step.
+The step's work is a matrix product (--size: every core busy, as on a CPU-only node), or with
+--sleep MS a wait, as a GPU node's host waits for its GPU with cores to spare. Rounds take the
+three in turn, so that each sees the same machine; printed: the median ms per step of each, and
+what each check adds to a step.
 """
 
 import argparse
@@ -24,13 +26,16 @@ import torch.multiprocessing as mp
 MODES = ("none", "blocking", "overlap")
 
 
-def timed_steps(mode: str, steps: int, work: torch.Tensor) -> float:
-    """ms per step of `steps` steps with the given stop check."""
+def timed_steps(mode: str, opts: argparse.Namespace, work: torch.Tensor) -> float:
+    """ms per step of opts.steps steps with the given stop check."""
     dist.barrier()
     start = time.perf_counter()
     pending = None
-    for _ in range(steps):
-        work @ work
+    for _ in range(opts.steps):
+        if opts.sleep:
+            time.sleep(opts.sleep / 1000)
+        else:
+            work @ work
         flag = torch.tensor(0)
         if mode == "blocking":
             dist.all_reduce(flag, dist.ReduceOp.MAX)
@@ -41,7 +46,7 @@ def timed_steps(mode: str, steps: int, work: torch.Tensor) -> float:
     if pending is not None:
         pending.wait()
     dist.barrier()
-    return (time.perf_counter() - start) / steps * 1e3
+    return (time.perf_counter() - start) / opts.steps * 1e3
 
 
 def worker(rank: int, opts: argparse.Namespace, port: int, results) -> None:
@@ -52,7 +57,7 @@ def worker(rank: int, opts: argparse.Namespace, port: int, results) -> None:
     times = {mode: [] for mode in MODES}
     for _ in range(opts.rounds):
         for mode in MODES:
-            times[mode].append(timed_steps(mode, opts.steps, work))
+            times[mode].append(timed_steps(mode, opts, work))
     if rank == 0:
         results.put(times)
     dist.destroy_process_group()
@@ -64,8 +69,9 @@ def main() -> None:
     )
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=2000, help="steps per round and check")
-    parser.add_argument("--size", type=int, default=96, help="side of the step's matrix (96)")
+    parser.add_argument("--steps", type=int, default=1000, help="steps per round and check")
+    parser.add_argument("--size", type=int, default=384, help="side of the step's matrix (384)")
+    parser.add_argument("--sleep", type=float, default=0, help="ms: a wait instead of a product")
     opts = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
