@@ -267,15 +267,18 @@ class Trainer:
             print(error, file=sys.stderr, flush=True)
         return not failed
 
-    def _agreed_stop(self) -> int:
-        """The stop signal noted by any rank before the previous check, or 0. Each check travels
-        between the ranks while the next step computes: no step waits for the network."""
+    def _agreed_stop(self, now: bool = False) -> int:
+        """The stop signal noted by any rank before the previous check, or 0; with `now`, before
+        this one. A check travels between the ranks while the next training step computes: no
+        step waits for the network. Evaluation batches wait (now): one batch can be long."""
         if self.agreement is not None:
             self.agreement.wait()
         agreed = int(self.stop)
         self.stop = torch.tensor(stop_signals[0] if stop_signals else 0)
         self.agreement = dist.all_reduce(self.stop, dist.ReduceOp.MAX, self.cpu_group, True)
-        return agreed
+        if now and self.agreement is not None:
+            self.agreement.wait()
+        return agreed or (int(self.stop) if now else 0)
 
     def _learning_rate(self, done: float) -> float:
         """One cycle: linear warm-up over the first 10% of the run, linear decay to 0 at its end."""
@@ -325,7 +328,7 @@ class Trainer:
                 source = source.to(self.device, non_blocking=True, memory_format=self.layout)
                 targets = targets.to(self.device, non_blocking=True)
                 stats[2] += (self.model(source).argmax(1) == targets).sum()
-                stopped = self._agreed_stop() if batch < self.val_checks else 0
+                stopped = self._agreed_stop(now=True) if batch < self.val_checks else 0
                 if stopped:  # however long the evaluation: a resume evaluates this epoch again
                     return stats, stopped
         return stats, 0

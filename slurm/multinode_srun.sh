@@ -26,7 +26,7 @@ MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 # Several network interfaces? Name the one the nodes share: export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0
 # NCCL_DEBUG=INFO shows how NCCL connects the nodes; useful when a job hangs at start.
-srun --ntasks-per-node=1 --label hostname  # which nodes the job spans
+srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --label hostname  # which nodes the job spans
 # Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
 # saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
 snapshot=${SNAPSHOT:-snapshot.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
