@@ -254,10 +254,11 @@ class Trainer:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temporary, path)  # a crash before this keeps the last one
-        except OSError as e:  # a full disk, a folder gone or read-only: the last one stays
+        except (OSError, RuntimeError) as e:  # a full disk, a folder gone: the last one stays
             with contextlib.suppress(OSError):
                 os.remove(temporary)
-            return f"error: cannot save {path}: {e}; the last snapshot is kept"
+            reason = " ".join(str(e).split())[:300]  # on one line
+            return f"error: cannot save {path}: {reason}; the last snapshot is kept"
         return ""
 
     def _save(self, epochs_run: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
