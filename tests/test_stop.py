@@ -288,3 +288,17 @@ def test_a_snapshot_that_cannot_be_written_at_a_stop_fails_the_job(root):
     assert "cannot save snapshot.pt: [Errno 28] No space left on device" in run.output, run.output
     assert STOP_LINE not in run.output and "Traceback" not in run.output, run.output
     assert not list(cwd.iterdir()) or [p.name for p in cwd.iterdir()] == ["snapshot.pt.lock"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu_torchrun"])
+def test_a_signal_during_a_write_stops_after_it(root, stage):
+    """SIGTERM to rank 0 as its first periodic snapshot starts a 5 s write: the write ends, the
+    run stops after the steps that follow, saved, and resumes bit for bit."""
+    args = [EPOCHS, 1, *global_batch_args(stage)]
+    cwd = root / f"signal-in-write-{stage}"
+    run = faulty_run(stage, args, cwd, FAULT_SAVE="slow:5", FAULT_SIGNAL="SIGTERM:save")
+    assert run.returncode != 0 and "Epoch 1 " in run.output, run.output
+    snapshot = assert_saved_where_it_stopped(run.output, cwd, "SIGTERM")
+    assert snapshot["epoch"] == 1 and snapshot["samples"] > 0, run.output
+    assert_resumes_bit_for_bit(stage, args, cwd, root, run.output)
