@@ -489,8 +489,9 @@ def runs(tmp_path_factory):
         env.pop("PYTHONUNBUFFERED")
         runs.start(f"exit-hooks-{stage}", cwd, stage=stage, args=flags, env=env)
     # The legacy launcher; two "nodes" that meet at an IPv6 address (test_stages.py).
-    legacy = {"launcher": LEGACY_LAUNCHER}
-    runs.start("legacy", folder("legacy"), stage="multigpu_torchrun", args=[1, 1], **legacy)
+    if importlib.util.find_spec("torch.distributed.launch"):  # deprecated since torch 1.9
+        legacy = {"launcher": LEGACY_LAUNCHER}
+        runs.start("legacy", folder("legacy"), stage="multigpu_torchrun", args=[1, 1], **legacy)
     args = [1, 1, "--batch_size", 32]
     runs.start("ipv6", folder("ipv6"), stage="multinode", args=args, host="[::1]")
     # The second snapshot cannot be written: a full disk (test_faults.py).

@@ -1,6 +1,7 @@
 """Every stage trains for real, computes the same model, and resumes exactly (CPU + gloo)."""
 
 import functools
+import importlib.util
 import json
 from types import SimpleNamespace
 
@@ -327,7 +328,11 @@ def test_flags_as_the_walkthroughs_write_them(runs):
 
 
 def test_the_legacy_launcher_trains(runs):
-    """python -m torch.distributed.launch --nproc_per_node=2: --local-rank=N, then training."""
+    """python -m torch.distributed.launch --nproc_per_node=2: --local-rank=N, then training.
+    (A torch without the module has nothing to run; test_errors.py checks the flag itself.)"""
+    if "legacy" not in runs.futures:
+        assert importlib.util.find_spec("torch.distributed.launch") is None
+        return
     run = runs["legacy"][1]
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
     assert "unrecognized arguments" not in run.output, run.output
