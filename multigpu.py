@@ -467,8 +467,8 @@ if __name__ == "__main__":
         os.environ["WORLD_SIZE"] = str(args.world_size)  # as torchrun does, with RANK and more
         ranks = torch.multiprocessing.spawn(main, args=(args,), nprocs=args.world_size, join=False)
         while not ranks.join(timeout=1, grace_period=5):  # one stops or fails: the others follow
-            for rank in ranks.processes if stop_signals else []:  # noted before they could: again
-                os.kill(rank.pid, stop_signals[0])
+            for rank in multiprocessing.active_children() if stop_signals else []:  # again: some
+                os.kill(rank.pid, stop_signals[0])  # may have started after the signal
     except OSError as e:
         sys.exit(f"error: MASTER_PORT={os.environ.get('MASTER_PORT')}: {e}; choose a free one")
     except torch.multiprocessing.ProcessExitedException as e:  # killed, or exited after its line
