@@ -326,8 +326,7 @@ class Trainer:
     def train(self) -> int:
         """Trains to the end (returns 0), or until a stop signal (returns 128 + it, as a shell);
         1 when a snapshot could not be written."""
-        processes = self.train_data.sampler.num_replicas  # that share each batch
-        global_batch = self.args.batch_size * self.args.grad_accum * processes
+        global_batch = self.definition["batch"]  # samples per optimizer step, all ranks
         epochs_run, skipped, loss_sum = self.resume_at
         if epochs_run >= self.args.total_epochs and self.global_rank == 0:
             path, total = self.args.snapshot_path, self.args.total_epochs

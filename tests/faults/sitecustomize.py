@@ -36,6 +36,7 @@ if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIG
     import json
     import shutil
     import signal
+    import time
 
     import torch
     import torch.distributed as dist
@@ -117,8 +118,6 @@ if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIG
         DataLoader.__init__ = loader_init
 
     if os.environ.get("FAULT_SIGNAL"):
-        import time
-
         _name, _when, *_at_step = os.environ["FAULT_SIGNAL"].split(":")
         _sent = []
 
@@ -145,7 +144,6 @@ if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIG
 
     if os.environ.get("FAULT_SAVE") or os.environ.get("FAULT_SIGNAL"):
         import errno
-        import time
 
         _save_slowly, _saves_begun = torch.save, [0]
 
@@ -165,8 +163,6 @@ if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIG
         torch.save = save_slowly
 
     if os.environ.get("FAULT_EVAL_SECONDS") or os.environ.get("FAULT_SIGNAL"):
-        import time
-
         from torch.utils.data import SequentialSampler
 
         _loader_iter = DataLoader.__iter__
