@@ -60,7 +60,8 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
         # A smooth prototype per class under noise, the same in every process.
         generator = torch.Generator().manual_seed(1234)
         labels = torch.randint(10, (720,), generator=generator)
-        prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=generator), size=32)
+        prototypes = torch.randn(10, 3, 4, 4, generator=generator)
+        prototypes = F.interpolate(prototypes, size=32, mode="bilinear")
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, 32, 32, generator=generator)
         train = TensorDataset(images[:640], labels[:640])
         return train, TensorDataset(images[640:], labels[640:]), 10
@@ -204,10 +205,8 @@ class Trainer:
             return {"error": f"error: cannot resume from {path}: not only tensors and plain data"}
         except Exception as e:
             return {"error": f"error: cannot resume from {path}: {' '.join(str(e).split())[:300]}"}
-        planned, total = (
-            snapshot.get("total_epochs", self.args.total_epochs),
-            self.args.total_epochs,
-        )
+        total = self.args.total_epochs
+        planned = snapshot.get("total_epochs", total)
         if self.global_rank == 0 and planned != total and snapshot.get("epoch", 0) < total:
             print(f"Resuming a {planned}-epoch run: the learning rate now decays to 0 at {total}")
         digest = hashlib.sha256()
@@ -342,7 +341,8 @@ class Trainer:
         epochs_run, skipped, loss_saved = [self.resume[k] for k in ("epoch", "samples", "loss_sum")]
         total = self.args.total_epochs
         if epochs_run >= total and self.global_rank == 0:
-            print(f"{self.args.snapshot_path} holds all {total} epochs already: raise total_epochs")
+            path = self.args.snapshot_path
+            print(f"{path} holds all {total} epochs already: raise total_epochs to train on")
         for epoch in range(epochs_run, total):
             began = time.perf_counter()
             loss_sum, samples, stopped = self._train_epoch(epoch, skipped)
@@ -366,9 +366,9 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             speed = (samples - skipped) / (time.perf_counter() - began)
             if self.global_rank == 0:
-                figures = f"loss {loss_sum / samples:.4f} | acc {correct / evaluated:.4f}"
+                means = f"loss {loss_sum / samples:.4f} | acc {correct / evaluated:.4f}"
                 rest = f"lr {lr:.2e} | batch {self.run['batch']} | {speed:.0f} samples/s"
-                print(f"Epoch {epoch + 1} | {figures} | {rest}", flush=True)
+                print(f"Epoch {epoch + 1} | {means} | {rest}", flush=True)
             last = epoch + 1 == total
             if ((epoch + 1) % self.args.save_every == 0 or last) and not self._save(epoch + 1):
                 return 1

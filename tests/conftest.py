@@ -413,6 +413,8 @@ def runs(tmp_path_factory):
     for stage, (batch, steps, _) in accumulated.items():
         args = [EPOCHS, EPOCHS, "--batch_size", batch, "--grad_accum", steps]
         runs.start(f"accumulate-{stage}", folder(f"accumulate-{stage}"), stage=stage, args=args)
+    # The README's first run, whose output it shows (test_repository.py).
+    runs.start("first-run", folder("first-run"), stage="single_gpu", args=[5, 5])
     for stage in ("single_gpu", "multigpu_torchrun"):
         args = [5, 5, "--precision", "bf16"]
         runs.start(f"bf16-{stage}", folder(f"bf16-{stage}"), stage=stage, args=args)

@@ -1,10 +1,19 @@
-"""Figures the README states about the code hold."""
+"""The stages' measures of readability hold, and every figure the README states about the code
+is the code's."""
 
+import ast
+import io
 import itertools
 import re
 import subprocess
+import tokenize
 
-from conftest import REPO, STAGES
+import pytest
+
+from conftest import EPOCH_LINE, REPO, STAGES, single_gpu
+
+README = (REPO / "README.md").read_text()
+LIMITS = {"single_gpu": 55, "multigpu": 25, "multigpu_torchrun": 12}  # changed lines to the next
 
 
 def changed_lines(a: str, b: str) -> int:
@@ -12,8 +21,85 @@ def changed_lines(a: str, b: str) -> int:
     return sum(line[:1] in (b"<", b">") for line in diff.stdout.splitlines())
 
 
-def test_the_diff_sizes_the_readme_states():
-    readme = (REPO / "README.md").read_text()
+def end_of_line_comments(source: str) -> float:
+    """The share of code lines (not blank, not only a comment or a string) that end in a comment."""
+    code, commented = set(), set()
+    skipped = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.STRING)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            commented.add(token.start[0])
+        elif token.type not in (*skipped, tokenize.ENDMARKER):
+            code.add(token.start[0])
+    return len(code & commented) / len(code)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_stage_reads_as_plain_lines(stage):
+    """End-of-line comments on at most 15% of code lines, no function over 40 lines, no line over
+    100 columns. single_gpu.py stays within 26,000 bytes (every feature kept, comments above
+    blocks); the 16,000 the house style asks for would need features taken out."""
+    source = (REPO / f"{stage}.py").read_text()
+    assert end_of_line_comments(source) <= 0.15
+    functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
+    longest = max(functions, key=lambda n: n.end_lineno - n.lineno)
+    assert longest.end_lineno - longest.lineno + 1 <= 40, longest.name
+    assert max(len(line) for line in source.splitlines()) <= 100
+    if stage == "single_gpu":
+        assert len(source.encode()) <= 26_000
+
+
+def test_the_diffs_stay_small_and_the_readme_states_them():
     for a, b in itertools.pairwise(STAGES):
-        stated = re.search(rf"^diff {a}\.py {b}\.py +# (\d+)", readme, re.M)
-        assert stated and int(stated[1]) == changed_lines(a, b), (a, b)
+        changed = changed_lines(a, b)
+        assert changed <= LIMITS[a], (a, b, changed)
+        stated = re.search(rf"^diff {a}\.py {b}\.py +# (\d+)", README, re.M)
+        assert stated and int(stated[1]) == changed, (a, b)
+
+
+def test_the_readme_is_short():
+    assert len(README) <= 15_000
+
+
+def test_the_first_run_prints_what_the_readme_shows(runs):
+    """Epochs, learning rates and global batch exactly; loss and accuracy to what another torch
+    or CPU may change."""
+    shown = EPOCH_LINE.findall(README.split("python single_gpu.py 5 5\n```", 1)[1])
+    printed = runs["first-run"][1].epochs()
+    assert [int(line[0]) for line in shown] == [e[0] for e in printed] == [1, 2, 3, 4, 5]
+    for line, (_, loss, acc, lr, batch, _) in zip(shown, printed, strict=True):
+        assert (float(line[3]), int(line[4])) == (lr, batch)
+        assert float(line[1]) == pytest.approx(loss, rel=0.1, abs=0.002)
+        assert float(line[2]) == pytest.approx(acc, abs=0.05)
+
+
+def test_the_flags_table_states_the_defaults():
+    source = (REPO / "single_gpu.py").read_text()
+    defaults = dict(re.findall(r'add\("(--\w+)".*default=("?[\w.-]+"?)', source))
+    rows = dict(re.findall(r"^\| `(--\w+)` \| ([^|]+) \|", README, re.M))
+    assert rows.keys() <= set(re.findall(r'add\("(--\w+)"', source)), rows.keys()
+    for flag, stated in rows.items():
+        if flag in defaults:
+            assert stated.strip() == defaults[flag].strip('"'), flag
+        elif f'add("{flag}", action="store_true"' in source:
+            assert stated.strip() == "off", flag
+    assert rows["--workers"].strip() == "GPU: 8, CPU: 0"
+    assert "min(8, torch.get_num_threads()) if gpu else 0" in source
+
+
+def test_the_other_figures_the_readme_states():
+    train, val, classes = single_gpu().load_datasets(None, 32, "none")
+    assert (len(train) + len(val), len(train), len(val), classes) == (720, 640, 80, 10)
+    assert train[0][0].shape == (3, 32, 32)
+    assert "720 noisy 3x32x32 images of 10 classes (640 to train, 80 held out)" in README
+    for stage in STAGES:  # progress lines
+        assert "report = time.monotonic() + 30" in (REPO / f"{stage}.py").read_text()
+    assert "longer than 30 s also prints `epoch N: step S of T` about\nevery 30 s" in README
+    batch_files = {path.name: path.read_text() for path in (REPO / "slurm").glob("*.sh")}
+    for name, text in batch_files.items():
+        assert "#SBATCH --signal=B:USR1@120" in text, name  # "two minutes before"
+        assert "set -- 50 10" in text and "${MAX_REQUEUES:-20}" in text, name
+        if re.search(r"^srun .*torchrun", text, re.M):
+            assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}" in text and "--max-restarts=3" in text
+    multinode = batch_files["multinode.sh"]
+    assert "#SBATCH --nodes=2" in multinode and "#SBATCH --gpus-per-node=4" in multinode
+    assert "`MAX_REQUEUES` (20)" in README and "(100 s)" in README and "2 nodes x 4 GPUs" in README

@@ -193,6 +193,7 @@ def test_augmentation_keeps_the_class_unless_asked(tmp_path):
 
 def test_learning_rate_warms_up_then_decays_to_zero():
     """Linear from 0 to --lr over the first 10% of the run, then linear to 0 at its end."""
+
     def rate(done: float) -> float:  # at that fraction of a 1000-step run
         return single_gpu().get_lr(done * 1000 - 0.5, 1000, 1.0)
 
