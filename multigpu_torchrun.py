@@ -461,23 +461,23 @@ def prepare_dataloaders(
 def main(local_rank: int, args: argparse.Namespace) -> int:
     global_rank = local_rank  # on one node, the rank in the job is the local rank
     torch.manual_seed(args.seed)
-    # Data and model before the process group starts. In the later stages every rank finds the
-    # same faults in the input, and rank 0 alone says them.
+    # Data and model before the process group starts: every rank finds the same faults in the
+    # input, and rank 0 alone says them.
     try:
         train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
         model = build_model(args.arch, classes)
     except SystemExit as e:
         sys.exit(e.code if global_rank == 0 else 1)
     device = setup(local_rank, int(os.environ["LOCAL_WORLD_SIZE"]), global_rank)
+    gpu = device.type == "cuda"
     if args.deterministic:
         # Before the first CUDA kernel: cuBLAS reads it once.
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
     model.to(device)
-    if device.type == "cuda":  # BatchNorm statistics over all ranks
+    if gpu:  # BatchNorm statistics over all ranks
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    gpu = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=gpu)
     train_data, val_data = prepare_dataloaders(Seeded(train_set), val_set, args, gpu)
     # What decides the result: a snapshot of another run is refused rather than resumed.
