@@ -100,6 +100,9 @@ def test_the_other_figures_the_readme_states():
         assert "set -- 50 10" in text and "${MAX_REQUEUES:-20}" in text, name
         if re.search(r"^srun .*torchrun", text, re.M):
             assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}" in text and "--max-restarts=3" in text
+    multigpu = (REPO / "multigpu.py").read_text()  # "default: every GPU; CPU: 2"
+    assert 'add("--world_size", type=integer, default=gpus or 2,' in multigpu
+    assert "nproc=${CPU_PROCS:-2}" in batch_files["multinode.sh"]  # "2 processes per node"
     multinode = batch_files["multinode.sh"]
     assert "#SBATCH --nodes=2" in multinode and "#SBATCH --gpus-per-node=4" in multinode
     assert "`MAX_REQUEUES` (20)" in README and "(100 s)" in README and "2 nodes x 4 GPUs" in README
