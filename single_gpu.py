@@ -374,18 +374,20 @@ class Trainer:
 
 def note_stop_signal(signum: int, frame: object) -> None:
     """A second Ctrl-C ends the job at once, unsaved, as in other programs."""
-    if signum == signal.SIGINT and signum in stop_signals:
+    again = signum == signal.SIGINT and signum in stop_signals
+    stop_signals.append(signum)
+    pass_on_stop_signal(signal.SIGKILL if again else signum)
+    if again:
         os.write(2, b"SIGINT again: ended at once, unsaved; the last snapshot is kept\n")
         os._exit(128 + signum)
-    stop_signals.append(signum)
-    pass_on_stop_signal()
 
 
-def pass_on_stop_signal() -> None:
-    """To the processes this one started (multigpu.py's ranks), not to loader workers."""
+def pass_on_stop_signal(signum: int = 0) -> None:
+    """Sends `signum`, or the first stop signal noted, to the processes this one started
+    (multigpu.py's ranks), not to loader workers."""
     for child in multiprocessing.active_children():
         if stop_signals and not child.daemon:
-            os.kill(child.pid, stop_signals[0])
+            os.kill(child.pid, signum or stop_signals[0])
 
 
 class StopCheck:
