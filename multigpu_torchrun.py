@@ -19,8 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
-from torchvision import datasets, models
-from torchvision import transforms as T
 
 # Clusters stop jobs with signals: SIGTERM to preempt, SIGUSR1 before a time limit (not Windows).
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
@@ -68,6 +66,9 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, 32, 32, generator=g)
         train = TensorDataset(images[:640], labels[:640])
         return train, TensorDataset(images[640:], labels[640:]), 10
+    from torchvision import datasets
+    from torchvision import transforms as T
+
     resize = [T.Resize(size), T.CenterCrop(size)]
     to_tensor = [T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)]
     randomly = {"crop": T.RandomCrop(size, padding=size // 8), "flip": T.RandomHorizontalFlip()}
@@ -105,6 +106,8 @@ def build_model(arch: str, classes: int) -> nn.Module:
             nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, classes),
         )
         # fmt: on
+    from torchvision import models
+
     if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
         sys.exit(f"error: --arch {arch}: use convnet or a torchvision classifier (no aux loss)")
     return models.get_model(arch, num_classes=classes)

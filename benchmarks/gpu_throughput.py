@@ -164,7 +164,7 @@ def main() -> None:
     if opts.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     single = single_gpu()
-    device = single.setup(0, 1)  # the stages' threads, device and cuDNN settings
+    device = single.setup()  # the stages' device and TF32 settings
     torch.backends.cudnn.benchmark = True
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
     folder = tempfile.TemporaryDirectory()

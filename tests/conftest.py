@@ -127,6 +127,8 @@ def start(
     meeting at `host` ("[::1]": IPv6). nproc=0: python SCRIPT, even for the torchrun stages;
     launcher: that command in place of torchrun."""
     env = env or stage_env()
+    if "--snapshot_path" not in args:  # one name in every stage's folder: the tests compare them
+        args = [*args, "--snapshot_path", "snapshot.pt"]
     endpoint = f"{host}:{free_port()}"
     nodes = [0, 1] if stage == "multinode" and nproc else [None]
     cwds = node_cwds or (cwd, cwd)
@@ -368,6 +370,35 @@ def kill_launcher_after(stage: str, epoch: int, cwd: Path, timeout: float = 300)
     return {"cwd": cwd, "killed": killed - begin, "gone": gone, "output": "".join(lines)}
 
 
+def readme_commands() -> list[str]:
+    """The commands of the README's code blocks that run on one CPU machine, in order, with
+    `50 10` as `2 1` (the same commands, fewer epochs) and torchrun's `gpu` as 2 processes."""
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    wanted = [
+        line
+        for line in lines
+        if line.startswith(("python single", "python multi", "torchrun --standalone"))
+    ]
+    return [line.replace(" 50 10", " 2 1").replace("=gpu", "=2") for line in wanted]
+
+
+def run_readme_commands(cwd: Path) -> list[tuple[str, Run]]:
+    """Each command where the one before it ran: [(command, Run)]."""
+    done = []
+    for command in readme_commands():
+        words = command.split()
+        words[0] = sys.executable if words[0] == "python" else TORCHRUN
+        begin = time.monotonic()
+        proc = subprocess.run(words, cwd=cwd, env=stage_env(), capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        done.append(
+            (command, Run(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - begin))
+        )
+    return done
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     """Every launch of the session, queued at its start: {name: (folder, Run)} (see Runs).
@@ -386,12 +417,10 @@ def runs(tmp_path_factory):
     # The slowest first: the compiler (test_stages.py).
     flags = ["--total_epochs", 1, "--save_every", 1]  # the form of the walkthroughs: test_stages.py
     runs.start("compile", folder("compile"), stage="single_gpu", args=[*flags, "--compile"])
-    # Stopped after epoch 2 and started again; "cross": multinode.py's snapshot in single_gpu.py;
-    # "longer": resumed with another total_epochs, so another learning-rate schedule.
+    # Stopped after epoch 2 and started again; "cross": multinode.py's snapshot in single_gpu.py.
     for name, stage, source, epochs in (
         ("resume-multigpu", "multigpu", "multigpu", EPOCHS),
         ("cross", "single_gpu", "multinode", EPOCHS),
-        ("longer", "single_gpu", "single_gpu", EPOCHS + 1),
     ):
         cwd = folder(name)
         copy = functools.partial(
@@ -413,8 +442,8 @@ def runs(tmp_path_factory):
     for stage, (batch, steps, _) in accumulated.items():
         args = [EPOCHS, EPOCHS, "--batch_size", batch, "--grad_accum", steps]
         runs.start(f"accumulate-{stage}", folder(f"accumulate-{stage}"), stage=stage, args=args)
-    # The README's first run, whose output it shows (test_repository.py).
-    runs.start("first-run", folder("first-run"), stage="single_gpu", args=[5, 5])
+    # The README's commands, run in order in one folder, as a user does (test_repository.py).
+    runs.submit("readme", functools.partial(run_readme_commands, folder("readme")))
     for stage in ("single_gpu", "multigpu_torchrun"):
         args = [5, 5, "--precision", "bf16"]
         runs.start(f"bf16-{stage}", folder(f"bf16-{stage}"), stage=stage, args=args)
@@ -474,22 +503,20 @@ def runs(tmp_path_factory):
     cifar = ["--arch", "resnet18", "--augment", "crop+flip", "--batch_size", 16]
     args = [2, 2, "--data_dir", cwd / "data", *cifar]
     runs.start("cifar-flags", cwd, stage="single_gpu", args=args)
-    # Snapshots that differ between two nodes: another file of the same epoch; one unreadable.
-    for name, second in (("apart-same-epoch", "other"), ("apart-unreadable", "garbage")):
-        nodes = folder(f"{name}-node0"), folder(f"{name}-node1")
-        write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
-        if second == "other":
-            write_snapshot(nodes[1] / "snapshot.pt", epoch=2, seed=1)
-        else:
-            write_bad_snapshot(nodes[1] / "snapshot.pt", second)
-        args = [4, 1, "--batch_size", 32]
-        runs.start(name, nodes[0], stage="multinode", args=args, node_cwds=nodes)
-    # A user's atexit handler and unflushed print in every process, output not a terminal.
-    for stage in STAGES[1:]:
+    # Snapshots that differ between two nodes: one of them unreadable.
+    nodes = folder("apart-unreadable-node0"), folder("apart-unreadable-node1")
+    write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
+    write_bad_snapshot(nodes[1] / "snapshot.pt", "garbage")
+    args = [4, 1, "--batch_size", 32]
+    runs.start("apart-unreadable", nodes[0], stage="multinode", args=args, node_cwds=nodes)
+    # A user's atexit handler and unflushed print in every process, output not a terminal, and
+    # loader workers that must have ended before the exit functions start.
+    for stage in STAGES:
         cwd = folder(f"exit-hooks-{stage}")
         env = stage_env(EXIT_HOOKS=str(cwd))
         env.pop("PYTHONUNBUFFERED")
-        runs.start(f"exit-hooks-{stage}", cwd, stage=stage, args=flags, env=env)
+        args = [*flags, "--workers", 2]
+        runs.start(f"exit-hooks-{stage}", cwd, stage=stage, args=args, env=env)
     # The legacy launcher; two "nodes" that meet at an IPv6 address (test_stages.py).
     if importlib.util.find_spec("torch.distributed.launch"):  # deprecated since torch 1.9
         legacy = {"launcher": LEGACY_LAUNCHER}

@@ -75,7 +75,7 @@ def test_bf16_learns(runs, stage):
 @pytest.mark.parametrize("stage", STAGES)
 def test_snapshot_is_plain_and_loads_safely(reference_runs, stage):
     snapshot = torch.load(reference_runs[stage][0] / "snapshot.pt", weights_only=True)
-    assert snapshot["epoch"] == EPOCHS and snapshot["total_epochs"] == EPOCHS
+    assert snapshot["epoch"] == EPOCHS
     assert not any(k.startswith("module.") for k in snapshot["model"])
     single_gpu().build_model("convnet", 10).load_state_dict(snapshot["model"])  # every key, shape
     assert not list(reference_runs[stage][0].glob("*.tmp"))
@@ -92,9 +92,9 @@ def test_ranks_see_disjoint_shards(reference_runs):
         assert sorted(shards[0] + shards[1]) == list(range(len(train_set)))
     val = [json.loads((record / f"val-rank{r}.json").read_text()) for r in (0, 1)]
     assert not set(val[0]) & set(val[1]) and sorted(val[0] + val[1]) == list(range(len(val_set)))
-    single = reference_runs["single_gpu"][0] / "record" / "train-rank0-epoch1.json"
-    rank0 = json.loads((record / "train-rank0-epoch1.json").read_text())
-    assert json.loads(single.read_text())[0:64:2] == rank0[:32]  # every other sample of a batch
+    # single_gpu.py's order in epoch 2 (seed 0 + epoch 1): rank 0 takes every other sample of it
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(1)).tolist()
+    assert json.loads((record / "train-rank0-epoch1.json").read_text()) == order[0::2]
 
 
 def test_resume_is_exact(reference_runs, runs):
@@ -113,13 +113,6 @@ def test_deterministic_resume_is_exact(runs):
     cwd, run = runs["deterministic-resumed"]
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [3, 4], run.output
     assert_bitwise_equal(load(cwd / "snapshot.pt"), load(straight / "snapshot.pt"))
-
-
-def test_resuming_with_another_total_says_so(runs):
-    """A 3-epoch run's snapshot, resumed to 4 epochs: the schedule changes, and the run says so."""
-    run = runs["longer"][1]
-    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [3, 4], run.output
-    assert "Resuming a 3-epoch run: the learning rate now decays to 0 at 4" in run.output
 
 
 @pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
@@ -201,29 +194,12 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     assert rate(0.55) == pytest.approx(0.5) and rate(1.0) == pytest.approx(0)
 
 
-def test_a_cpu_snapshot_resumes_in_the_gpu_layout(tmp_path):
-    """On GPUs the model is channels-last and AdamW fused, whose kernel needs moments with the
-    parameters' strides: loaded from a CPU snapshot, they have them."""
-    model = single_gpu().build_model("convnet", 10)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 3, 32, 32)).sum().backward()
-    optimizer.step()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1},
-               tmp_path / "snapshot.pt")  # fmt: skip
-    trainer = gpu_like_trainer(tmp_path / "snapshot.pt", fused=True)
-    assert "error" not in trainer._load_snapshot()
-    for param, state in trainer.optimizer.state.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert state[key].stride() == param.stride(), key
-    assert any(p.dim() == 4 for p in trainer.optimizer.state)  # convolutions were checked
-
-
 def gpu_like_trainer(path, fused: bool):
-    """A Trainer of the default model as the GPU path builds it (channels-last; fused AdamW when
-    asked), on the CPU, without data: enough to load a snapshot."""
+    """A Trainer of the default model with fused AdamW when asked (as on GPUs), on the CPU, without
+    data: enough to load a snapshot."""
     module = single_gpu()
     trainer = module.Trainer.__new__(module.Trainer)
-    trainer.model = module.build_model("convnet", 10).to(memory_format=torch.channels_last)
+    trainer.model = module.build_model("convnet", 10)
     trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), fused=fused)
     trainer.device, trainer.global_rank, trainer.run = torch.device("cpu"), 0, {}
     trainer.args = SimpleNamespace(snapshot_path=str(path), total_epochs=1)
@@ -251,79 +227,29 @@ def test_the_optimizer_implementation_comes_from_the_machine(tmp_path, fused):
     assert trainer.optimizer.state_dict()["param_groups"][0]["fused"] is fused
 
 
-def test_more_processes_than_gpus_are_refused(monkeypatch):
-    """4 processes on a node that shows 2 GPUs would put two on one GPU (NCCL: "Duplicate GPU
-    detected"): one line from local rank 0 before the process group starts, the others exit 1."""
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+@pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
+@pytest.mark.parametrize("gpus, processes", [(2, 4), (1, 2)])
+def test_more_processes_than_gpus_are_refused(monkeypatch, stage, gpus, processes):
+    """4 processes on a node that shows 2 GPUs, or two on one GPU, would share a GPU (NCCL:
+    "Duplicate GPU detected"): one line from local rank 0 before the process group starts, the
+    others exit 1."""
+    spec = importlib.util.spec_from_file_location(stage, REPO / f"{stage}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     with pytest.raises(SystemExit) as exit_info:
-        single_gpu().setup(0, 4)
-    assert exit_info.value.code == "error: 4 processes on this node and 2 GPUs: one GPU each"
+        module.setup(0, processes, 0)
+    expected = f"error: {processes} processes on this node and {gpus} GPUs: one GPU each"
+    assert exit_info.value.code == expected
     with pytest.raises(SystemExit) as exit_info:
-        single_gpu().setup(3, 4)
+        module.setup(processes - 1, processes, 0)
     assert exit_info.value.code == 1
-
-
-def test_every_generator_a_transform_draws_from_is_seeded_by_sample(tmp_path):
-    """torch, random and numpy (RandomChoice, RandomOrder, users' transforms) draw the same for
-    a sample whatever the loader workers; --seed -1 and -2 differ (hash(-1) == hash(-2))."""
-    import random
-
-    import numpy as np
-    from torch.utils.data import DataLoader
-
-    module = single_gpu()
-
-    class Draws(torch.utils.data.Dataset):
-        def __len__(self):
-            return 8
-
-        def __getitem__(self, index):
-            return torch.tensor([torch.rand(1).item(), random.random(), np.random.rand()])
-
-    def draws(seed: int, workers: int) -> torch.Tensor:
-        data = module.Seeded(Draws())
-        sampler = module.EpochSampler(data, num_replicas=1, rank=0, seed=seed)
-        loader = DataLoader(data, 4, sampler=sampler, num_workers=workers)
-        return torch.cat(list(loader))
-
-    first = draws(0, 0)
-    assert torch.equal(first, draws(0, 2))
-    assert len(set(first.flatten().tolist())) == first.numel()  # none repeats another
-    assert not torch.equal(draws(-1, 0), draws(-2, 0))
-
-
-def test_ranks_compare_snapshots_without_holding_them_in_memory(tmp_path):
-    """The digest of what each rank loaded reads the file a block at a time: eight ranks of a
-    node must not hold eight copies of a multi-gigabyte snapshot at once."""
-    import tracemalloc
-
-    trainer = gpu_like_trainer(tmp_path / "snapshot.pt", fused=False)
-    trainer.model = torch.nn.Linear(4096, 4096)  # 64 MiB of weights
-    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters())
-    torch.save({"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-                "epoch": 1}, tmp_path / "snapshot.pt")  # fmt: skip
-    tracemalloc.start()
-    try:
-        assert "error" not in trainer._load_snapshot()
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 16 * 2**20, peak
-
-
-def test_each_process_takes_a_gpu_it_can_see(monkeypatch):
-    """With one GPU visible per process (srun --gpus-per-task=1), local rank 3 uses cuda:0."""
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    assert single_gpu().setup(3, 4) == torch.device("cuda", 0)
-    lines = {(REPO / f"{s}.py").read_text().split("local_rank % gpus")[0][-80:] for s in STAGES}
-    assert len(lines) == 1  # the same choice in every stage
 
 
 def test_flags_as_the_walkthroughs_write_them(runs):
     """--total_epochs 1 --save_every 1 in every stage (the compile and exit-hooks runs): it
     trains, where Python 3.10 and 3.11 refused the flags of a positional's pair."""
-    for name in ["compile"] + [f"exit-hooks-{stage}" for stage in STAGES[1:]]:
+    for name in ["compile"] + [f"exit-hooks-{stage}" for stage in STAGES]:
         run = runs[name][1]
         assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], (name, run.output)
 

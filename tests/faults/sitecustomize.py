@@ -10,14 +10,14 @@ themselves carry no test hooks:
   KEEP_SNAPSHOTS=1                after each atomic rename, copy the snapshot to PATH.epochN
   RECORD_DIR=DIR                  write the sample indices each rank trains on and evaluates
   EXIT_HOOKS=DIR                  as a user's code would: print a line without flushing it, and
-                                  register an atexit handler that writes DIR/atexit-PID
+                                  register an atexit handler that writes DIR/atexit-PID; and
+                                  DIR/workers-PID: the loader workers alive, and the time, as
+                                  the exit functions start
   FAULT_SAVE=slow:SECONDS|full    every torch.save waits SECONDS before it writes, or writes part
                                   of the file and fails as a full disk does...
   FAULT_SAVE_FROM=N               ...from the N-th save of the process on (1)
-  FAULT_EVAL_SECONDS=S            every evaluation takes S seconds more, spread over its batches
   FAULT_SIGNAL=NAME:WHEN          rank 0 sends itself signal NAME once: WHEN is step:N (after its
-                                  N-th optimizer step), eval (as its first evaluation batch is
-                                  loaded) or save (as its first save starts)
+                                  N-th optimizer step) or save (as its first save starts)
   FAULT_SIGNAL_TO=parent          ...to its parent instead: the launcher (torchrun)
 """
 
@@ -30,7 +30,30 @@ if os.environ.get("EXIT_HOOKS"):
     _marker = os.path.join(os.environ["EXIT_HOOKS"], f"atexit-{os.getpid()}")
     atexit.register(lambda: open(_marker, "w").close())
 
-HOOKS = ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR", "FAULT_SAVE", "FAULT_EVAL_")
+    def _count_workers() -> None:
+        """Registered once the first loader has started its workers, so it runs before every
+        exit function registered until then: the loader workers still alive as they start."""
+        import multiprocessing
+        import time
+
+        alive = [p for p in multiprocessing.active_children() if p.daemon]
+        with open(os.path.join(os.environ["EXIT_HOOKS"], f"workers-{os.getpid()}"), "w") as f:
+            f.write(f"{len(alive)} {time.time()}")
+
+    from torch.utils.data import DataLoader
+
+    _iterate = DataLoader.__iter__
+
+    def _iterate_and_watch(self):
+        batches = _iterate(self)
+        if self.num_workers and not hasattr(DataLoader, "watched_by_tests"):
+            DataLoader.watched_by_tests = True
+            atexit.register(_count_workers)
+        return batches
+
+    DataLoader.__iter__ = _iterate_and_watch
+
+HOOKS = ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR", "FAULT_SAVE")
 if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIGNAL"):
     import io
     import json
@@ -161,22 +184,3 @@ if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIG
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
         torch.save = save_slowly
-
-    if os.environ.get("FAULT_EVAL_SECONDS") or os.environ.get("FAULT_SIGNAL"):
-        from torch.utils.data import SequentialSampler
-
-        _loader_iter = DataLoader.__iter__
-
-        def evaluation(batches, count: int):
-            for batch in batches:
-                send("eval")
-                time.sleep(float(os.environ.get("FAULT_EVAL_SECONDS", 0)) / max(1, count))
-                yield batch
-
-        def loader_iter(self):
-            batches = _loader_iter(self)
-            if isinstance(self.sampler, SequentialSampler):  # the held-out set's loader
-                return evaluation(batches, len(self))
-            return batches
-
-        DataLoader.__iter__ = loader_iter
