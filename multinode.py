@@ -200,8 +200,9 @@ class Trainer:
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # A mean over the global batch, whatever the micro-batch or the number of ranks.
-        (loss_sum / self.run["batch"]).backward()
+        # A mean over the global batch, whatever the micro-batch or the number of ranks (DDP
+        # averages the ranks' gradients).
+        (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
     def _run_epoch(self, epoch: int, samples: int) -> tuple[torch.Tensor, int, int]:

@@ -39,6 +39,7 @@ TEST_HOOKS = (
     "KEEP_SNAP",
     "RECORD_DIR",
     "EXIT_HOOKS",
+    "EXIT_WORKERS",
     "TORCH_DISABLE_SHARE_RDZV",
     "MASTER_",
 )
@@ -388,7 +389,7 @@ def run_readme_commands(cwd: Path) -> list[tuple[str, Run]]:
     """Each command where the one before it ran: [(command, Run)]."""
     done = []
     for command in readme_commands():
-        words = command.split()
+        words = [str(REPO / w) if w.endswith(".py") else w for w in command.split()]
         words[0] = sys.executable if words[0] == "python" else TORCHRUN
         begin = time.monotonic()
         proc = subprocess.run(words, cwd=cwd, env=stage_env(), capture_output=True, text=True,
@@ -509,14 +510,18 @@ def runs(tmp_path_factory):
     write_bad_snapshot(nodes[1] / "snapshot.pt", "garbage")
     args = [4, 1, "--batch_size", 32]
     runs.start("apart-unreadable", nodes[0], stage="multinode", args=args, node_cwds=nodes)
-    # A user's atexit handler and unflushed print in every process, output not a terminal, and
-    # loader workers that must have ended before the exit functions start.
-    for stage in STAGES:
+    # A user's atexit handler and unflushed print in every process, output not a terminal.
+    for stage in STAGES[1:]:
         cwd = folder(f"exit-hooks-{stage}")
         env = stage_env(EXIT_HOOKS=str(cwd))
         env.pop("PYTHONUNBUFFERED")
+        runs.start(f"exit-hooks-{stage}", cwd, stage=stage, args=flags, env=env)
+    # Loader workers that must have ended before the exit functions start (test_faults.py).
+    for stage in STAGES:
+        cwd = folder(f"exit-workers-{stage}")
+        env = stage_env(EXIT_WORKERS=str(cwd))
         args = [*flags, "--workers", 2]
-        runs.start(f"exit-hooks-{stage}", cwd, stage=stage, args=args, env=env)
+        runs.start(f"exit-workers-{stage}", cwd, stage=stage, args=args, env=env)
     # The legacy launcher; two "nodes" that meet at an IPv6 address (test_stages.py).
     if importlib.util.find_spec("torch.distributed.launch"):  # deprecated since torch 1.9
         legacy = {"launcher": LEGACY_LAUNCHER}

@@ -249,7 +249,7 @@ def test_more_processes_than_gpus_are_refused(monkeypatch, stage, gpus, processe
 def test_flags_as_the_walkthroughs_write_them(runs):
     """--total_epochs 1 --save_every 1 in every stage (the compile and exit-hooks runs): it
     trains, where Python 3.10 and 3.11 refused the flags of a positional's pair."""
-    for name in ["compile"] + [f"exit-hooks-{stage}" for stage in STAGES]:
+    for name in ["compile"] + [f"exit-workers-{stage}" for stage in STAGES]:
         run = runs[name][1]
         assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], (name, run.output)
 

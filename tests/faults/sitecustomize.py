@@ -10,9 +10,9 @@ themselves carry no test hooks:
   KEEP_SNAPSHOTS=1                after each atomic rename, copy the snapshot to PATH.epochN
   RECORD_DIR=DIR                  write the sample indices each rank trains on and evaluates
   EXIT_HOOKS=DIR                  as a user's code would: print a line without flushing it, and
-                                  register an atexit handler that writes DIR/atexit-PID; and
-                                  DIR/workers-PID: the loader workers alive, and the time, as
-                                  the exit functions start
+                                  register an atexit handler that writes DIR/atexit-PID
+  EXIT_WORKERS=DIR                write DIR/workers-PID: the loader workers alive, and the time,
+                                  as the exit functions start
   FAULT_SAVE=slow:SECONDS|full    every torch.save waits SECONDS before it writes, or writes part
                                   of the file and fails as a full disk does...
   FAULT_SAVE_FROM=N               ...from the N-th save of the process on (1)
@@ -30,6 +30,9 @@ if os.environ.get("EXIT_HOOKS"):
     _marker = os.path.join(os.environ["EXIT_HOOKS"], f"atexit-{os.getpid()}")
     atexit.register(lambda: open(_marker, "w").close())
 
+if os.environ.get("EXIT_WORKERS"):
+    import atexit
+
     def _count_workers() -> None:
         """Registered once the first loader has started its workers, so it runs before every
         exit function registered until then: the loader workers still alive as they start."""
@@ -37,7 +40,7 @@ if os.environ.get("EXIT_HOOKS"):
         import time
 
         alive = [p for p in multiprocessing.active_children() if p.daemon]
-        with open(os.path.join(os.environ["EXIT_HOOKS"], f"workers-{os.getpid()}"), "w") as f:
+        with open(os.path.join(os.environ["EXIT_WORKERS"], f"workers-{os.getpid()}"), "w") as f:
             f.write(f"{len(alive)} {time.time()}")
 
     from torch.utils.data import DataLoader
