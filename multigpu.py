@@ -295,6 +295,8 @@ def prepare_dataloaders(train_set: Dataset, val_set: Dataset, args: argparse.Nam
     workers = args.workers if args.workers is not None else min(8, cores) * gpu
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
     load.update(worker_init_fn=ignore_stop_signals)
+    if workers:  # forked: ranks that spawn started would spawn theirs, each importing torch again
+        load.update(multiprocessing_context="fork")
     sampler = EpochSampler(train_set, seed=args.seed)  # this rank's share of every batch
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
     # Compiled: one batch shape.
