@@ -51,7 +51,7 @@ def setup(local_rank: int, local_world_size: int, global_rank: int) -> torch.dev
         torch.set_float32_matmul_precision("high")  # float32 products on tensor cores, as nanoGPT
     backend = dist.get_default_backend_for_device(device)  # NCCL between GPUs, gloo between CPUs
     dist.init_process_group(backend, rank=global_rank, device_id=device.index)  # the rest: env
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphan: pytorch#...
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # Linux: dies with its launcher
     return device
 
 
@@ -85,8 +85,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 
 class EpochSampler(DistributedSampler):
-    """This rank's share of the epoch's shuffle, drawn from the seed and the epoch, from its
-    `start`-th sample on."""
+    """The epoch's shuffle, drawn from the seed and the epoch, from its `start`-th sample on."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         super().__init__(dataset, seed=seed)
@@ -120,6 +119,43 @@ def get_lr(step: int, steps: int, peak: float) -> float:
     return peak * min(done / 0.1, (1 - done) / 0.9)
 
 
+def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict) -> dict:
+    """Where training resumes ({"epoch", "samples", "loss_sum"}), or {"error": line}."""
+    if not os.path.exists(path):
+        return {"epoch": 0, "samples": 0, "loss_sum": 0.0}
+    try:
+        # weights_only: tensors and plain data, never code from the file.
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+        ran = snapshot.get("run", run)
+        differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
+        if differs:
+            error = f"{path} holds another run ({'; '.join(differs)})"
+            return {"error": f"error: {error}: give this one its own --snapshot_path"}
+        model.load_state_dict(snapshot["model"])
+        # This machine's AdamW implementation, not the file's: a laptop's would turn fused off.
+        for group in snapshot["optimizer"]["param_groups"]:
+            group.update(fused=optimizer.defaults["fused"], foreach=None)
+        optimizer.load_state_dict(snapshot["optimizer"])
+    except Exception as e:
+        return {"error": f"error: cannot resume from {path}: {' '.join(str(e).split())[:200]}"}
+    return {key: snapshot.get(key, 0) for key in ("epoch", "samples", "loss_sum")}
+
+
+def save_snapshot(path: str, snapshot: dict) -> str:
+    """Written beside the last one, then renamed over it: a crash or a full disk keeps the last
+    one. Returns "" or the error line."""
+    try:
+        with open(f"{path}.tmp", "wb") as f:
+            torch.save(snapshot, f)
+            os.fsync(f.fileno())
+        os.replace(f"{path}.tmp", path)
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(OSError):
+            os.remove(f"{path}.tmp")
+        return f"error: cannot save {path}: {e}; the last snapshot is kept"
+    return ""
+
+
 class Trainer:
     def __init__(self, model: nn.Module, train_data: DataLoader, val_data: DataLoader,
                  device: torch.device, args: argparse.Namespace, run: dict) -> None:  # fmt: skip
@@ -131,7 +167,7 @@ class Trainer:
         self.args = args
         self.run = run
         self.global_rank = dist.get_rank()
-        self.resume = self._load_snapshot()
+        self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         # Every rank resumes from the same place, or none trains.
         loaded = [None] * dist.get_world_size()
         dist.all_gather_object(loaded, self.resume)
@@ -147,51 +183,23 @@ class Trainer:
         self.stop_check = dist.all_reduce(self.noted, group=self.cpu_group, async_op=True)
         # The training step calls train_model (DDP: it all-reduces gradients); evaluation and
         # snapshots use the model.
-        self.train_model = nn.parallel.DistributedDataParallel(model)
+        self.train_model = model
         if args.compile:
             # CUDA graphs launch a step at once, but a replay would overwrite summed gradients.
-            self.train_model = torch.compile(model, mode="reduce-overhead" * (args.grad_accum == 1))
-
-    def _load_snapshot(self) -> dict:
-        """Where training resumes ({"epoch", "samples", "loss_sum"}), or {"error": line}."""
-        path = self.args.snapshot_path
-        if not os.path.exists(path):
-            return {"epoch": 0, "samples": 0, "loss_sum": 0.0}
-        try:
-            # weights_only: tensors and plain data, never code from the file.
-            snapshot = torch.load(path, map_location=self.device, weights_only=True)
-            ran = snapshot.get("run", self.run)
-            differs = [f"{k} {ran.get(k)}, not {v}" for k, v in self.run.items() if ran.get(k) != v]
-            if differs:
-                error = f"{path} holds another run ({'; '.join(differs)})"
-                return {"error": f"error: {error}: give this one its own --snapshot_path"}
-            self.model.load_state_dict(snapshot["model"])
-            # This machine's AdamW implementation, not the file's: a laptop's would turn fused off.
-            for group in snapshot["optimizer"]["param_groups"]:
-                group.update(fused=self.optimizer.defaults["fused"], foreach=None)
-            self.optimizer.load_state_dict(snapshot["optimizer"])
-        except Exception as e:
-            return {"error": f"error: cannot resume from {path}: {' '.join(str(e).split())[:200]}"}
-        return {key: snapshot.get(key, 0) for key in ("epoch", "samples", "loss_sum")}
+            mode = "reduce-overhead" if args.grad_accum == 1 else None
+            self.train_model = torch.compile(self.train_model, mode=mode)
+        # Compiled first, as nanoGPT does: DDP's own forward stays out of the compiled graph.
+        self.train_model = nn.parallel.DistributedDataParallel(self.train_model)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
-        """Rank 0 writes the snapshot atomically; False, said in one line, if it could not."""
+        """Rank 0 writes the snapshot; False, said in one line, if it could not."""
         error = ""
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            path = self.args.snapshot_path
-            # Written beside it, then renamed over it: a crash or a full disk keeps the last one.
-            try:
-                with open(f"{path}.tmp", "wb") as f:
-                    torch.save(snapshot, f)
-                    os.fsync(f.fileno())
-                os.replace(f"{path}.tmp", path)
-            except (OSError, RuntimeError) as e:
-                with contextlib.suppress(OSError):
-                    os.remove(f"{path}.tmp")
-                error = f"error: cannot save {path}: {e}; the last snapshot is kept"
-                print(error, file=sys.stderr, flush=True)
+            error = save_snapshot(self.args.snapshot_path, snapshot)
+        if error:
+            print(error, file=sys.stderr, flush=True)
         # The others wait for the write, however long, and learn whether it failed.
         failed = torch.tensor(int(bool(error)))
         dist.all_reduce(failed, group=self.cpu_group)
@@ -288,8 +296,9 @@ class Trainer:
         return 0
 
 
-def prepare_dataloaders(train_set: Dataset, val_set: Dataset, args: argparse.Namespace,
-                        gpu: bool) -> tuple[DataLoader, DataLoader]:  # fmt: skip
+def prepare_dataloaders(
+    train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
+) -> tuple[DataLoader, DataLoader]:
     """Loader processes prepare batches while a GPU computes; on a CPU, the cores compute."""
     cores = os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])
     workers = args.workers if args.workers is not None else min(8, cores) * gpu
@@ -297,9 +306,7 @@ def prepare_dataloaders(train_set: Dataset, val_set: Dataset, args: argparse.Nam
     load.update(worker_init_fn=ignore_stop_signals)
     sampler = EpochSampler(train_set, seed=args.seed)  # this rank's share of every batch
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
-    # Compiled: one batch shape.
-    drop_last = args.compile and len(sampler) >= args.batch_size
-    train_data = DataLoader(train_set, args.batch_size, False, sampler, drop_last=drop_last, **load)
+    train_data = DataLoader(train_set, args.batch_size, sampler=sampler, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
 
 

@@ -36,11 +36,12 @@ def ignore_stop_signals(worker_id: int) -> None:
 
 
 def setup() -> torch.device:
-    """The one place that picks the hardware: a GPU if there is one, else the CPU."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    torch.set_float32_matmul_precision("high")  # float32 products on tensor cores, as nanoGPT
-    return torch.device("cuda")
+    """The one place that picks the hardware: a GPU for each process, else the CPU."""
+    gpus = torch.cuda.device_count()
+    device = torch.device("cuda") if gpus else torch.device("cpu")
+    if gpus:
+        torch.set_float32_matmul_precision("high")  # float32 products on tensor cores, as nanoGPT
+    return device
 
 
 def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Dataset, Dataset, int]:
@@ -111,6 +112,43 @@ def get_lr(step: int, steps: int, peak: float) -> float:
     return peak * min(done / 0.1, (1 - done) / 0.9)
 
 
+def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict) -> dict:
+    """Where training resumes ({"epoch", "samples", "loss_sum"}), or {"error": line}."""
+    if not os.path.exists(path):
+        return {"epoch": 0, "samples": 0, "loss_sum": 0.0}
+    try:
+        # weights_only: tensors and plain data, never code from the file.
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+        ran = snapshot.get("run", run)
+        differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
+        if differs:
+            error = f"{path} holds another run ({'; '.join(differs)})"
+            return {"error": f"error: {error}: give this one its own --snapshot_path"}
+        model.load_state_dict(snapshot["model"])
+        # This machine's AdamW implementation, not the file's: a laptop's would turn fused off.
+        for group in snapshot["optimizer"]["param_groups"]:
+            group.update(fused=optimizer.defaults["fused"], foreach=None)
+        optimizer.load_state_dict(snapshot["optimizer"])
+    except Exception as e:
+        return {"error": f"error: cannot resume from {path}: {' '.join(str(e).split())[:200]}"}
+    return {key: snapshot.get(key, 0) for key in ("epoch", "samples", "loss_sum")}
+
+
+def save_snapshot(path: str, snapshot: dict) -> str:
+    """Written beside the last one, then renamed over it: a crash or a full disk keeps the last
+    one. Returns "" or the error line."""
+    try:
+        with open(f"{path}.tmp", "wb") as f:
+            torch.save(snapshot, f)
+            os.fsync(f.fileno())
+        os.replace(f"{path}.tmp", path)
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(OSError):
+            os.remove(f"{path}.tmp")
+        return f"error: cannot save {path}: {e}; the last snapshot is kept"
+    return ""
+
+
 class Trainer:
     def __init__(self, model: nn.Module, train_data: DataLoader, val_data: DataLoader,
                  device: torch.device, args: argparse.Namespace, run: dict) -> None:  # fmt: skip
@@ -122,55 +160,25 @@ class Trainer:
         self.args = args
         self.run = run
         self.global_rank = 0
-        self.resume = self._load_snapshot()
+        self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         if "error" in self.resume:
             sys.exit(self.resume["error"])
         # The training step calls train_model; evaluation and snapshots use the model.
         self.train_model = model
         if args.compile:
             # CUDA graphs launch a step at once, but a replay would overwrite summed gradients.
-            self.train_model = torch.compile(model, mode="reduce-overhead" * (args.grad_accum == 1))
-
-    def _load_snapshot(self) -> dict:
-        """Where training resumes ({"epoch", "samples", "loss_sum"}), or {"error": line}."""
-        path = self.args.snapshot_path
-        if not os.path.exists(path):
-            return {"epoch": 0, "samples": 0, "loss_sum": 0.0}
-        try:
-            # weights_only: tensors and plain data, never code from the file.
-            snapshot = torch.load(path, map_location=self.device, weights_only=True)
-            ran = snapshot.get("run", self.run)
-            differs = [f"{k} {ran.get(k)}, not {v}" for k, v in self.run.items() if ran.get(k) != v]
-            if differs:
-                error = f"{path} holds another run ({'; '.join(differs)})"
-                return {"error": f"error: {error}: give this one its own --snapshot_path"}
-            self.model.load_state_dict(snapshot["model"])
-            # This machine's AdamW implementation, not the file's: a laptop's would turn fused off.
-            for group in snapshot["optimizer"]["param_groups"]:
-                group.update(fused=self.optimizer.defaults["fused"], foreach=None)
-            self.optimizer.load_state_dict(snapshot["optimizer"])
-        except Exception as e:
-            return {"error": f"error: cannot resume from {path}: {' '.join(str(e).split())[:200]}"}
-        return {key: snapshot.get(key, 0) for key in ("epoch", "samples", "loss_sum")}
+            mode = "reduce-overhead" if args.grad_accum == 1 else None
+            self.train_model = torch.compile(self.train_model, mode=mode)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
-        """Rank 0 writes the snapshot atomically; False, said in one line, if it could not."""
+        """Rank 0 writes the snapshot; False, said in one line, if it could not."""
         error = ""
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            path = self.args.snapshot_path
-            # Written beside it, then renamed over it: a crash or a full disk keeps the last one.
-            try:
-                with open(f"{path}.tmp", "wb") as f:
-                    torch.save(snapshot, f)
-                    os.fsync(f.fileno())
-                os.replace(f"{path}.tmp", path)
-            except (OSError, RuntimeError) as e:
-                with contextlib.suppress(OSError):
-                    os.remove(f"{path}.tmp")
-                error = f"error: cannot save {path}: {e}; the last snapshot is kept"
-                print(error, file=sys.stderr, flush=True)
+            error = save_snapshot(self.args.snapshot_path, snapshot)
+        if error:
+            print(error, file=sys.stderr, flush=True)
         return not error
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -253,16 +261,15 @@ class Trainer:
         return 0
 
 
-def prepare_dataloaders(train_set: Dataset, val_set: Dataset, args: argparse.Namespace,
-                        gpu: bool) -> tuple[DataLoader, DataLoader]:  # fmt: skip
+def prepare_dataloaders(
+    train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
+) -> tuple[DataLoader, DataLoader]:
     """Loader processes prepare batches while a GPU computes; on a CPU, the cores compute."""
     workers = args.workers if args.workers is not None else min(8, os.cpu_count()) * gpu
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
     load.update(worker_init_fn=ignore_stop_signals)
     sampler = EpochSampler(train_set, seed=args.seed)
-    # Compiled: one batch shape.
-    drop_last = args.compile and len(sampler) >= args.batch_size
-    train_data = DataLoader(train_set, args.batch_size, False, sampler, drop_last=drop_last, **load)
+    train_data = DataLoader(train_set, args.batch_size, sampler=sampler, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
 
 

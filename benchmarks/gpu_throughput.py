@@ -1,4 +1,5 @@
-"""Each stage's training throughput on one GPU against the two bounds it cannot beat.
+"""Each stage's training throughput on one GPU, beside its peers' on the same work, against the two
+bounds none can beat.
 
     python benchmarks/gpu_throughput.py                   # ResNet-18, 10,000 PNGs, fp32 and bf16
     python benchmarks/gpu_throughput.py --compile         # the same with --compile everywhere
@@ -8,9 +9,13 @@ For every batch size and precision it measures, in this order:
   loader     the stages' data loader alone (same folder, transforms, workers, pinned memory)
   bare step  ResNet-18's training step on tensors already on the GPU, with the stages' optimizer,
              precision, memory layout and (with --compile) compiler: no data loading at all
-  stages     each script as a user launches it on one GPU (world size 1), samples/s as it logs
-             them: the median of epochs 2 and later (the first one pays for start-up)
-and prints each stage's share of min(loader, bare step). Goal: 0.85 or more everywhere.
+  peers      the plain loop of the tutorials, Lightning's Trainer, Fabric and Accelerate
+             (benchmarks/peers.py; the last three when they are installed)
+  stages     each script as a user launches it on one GPU (world size 1)
+Runners: samples/s of training over wall time, evaluation of the held-out images included, the
+median of epochs 2 and later (the first one pays for start-up). One table, with each runner's
+share of min(loader, bare step). Goal: every stage at least the plain loop and Lightning, and 0.85
+of the bound at batch 256.
 """
 
 import argparse
@@ -31,7 +36,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STAGES = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
-RATE = re.compile(r"^Epoch (\d+) \| .* \| (\d+) samples/s$", re.M)
+PEERS = ["plain", "lightning", "fabric", "accelerate"]
+RATE = re.compile(r"^Epoch (\d+) \| .*?(\d+) samples/s$", re.M)
 
 
 def free_port() -> int:
@@ -68,8 +74,8 @@ def loader_rate(single, data_dir: Path, batch: int, device: torch.device, epochs
     train_set, _, _ = single.load_datasets(str(data_dir), 32, "none")
     loading = {}
     if device.type == "cuda":  # as the stages do on GPUs: min(8, cores of the process)
-        workers = min(8, torch.get_num_threads())
-        loading = {"num_workers": workers, "pin_memory": True, "persistent_workers": True}
+        workers = min(8, os.cpu_count())
+        loading = dict(num_workers=workers, pin_memory=True, persistent_workers=True)
     loader = torch.utils.data.DataLoader(train_set, batch, shuffle=True, **loading)
     rates = []
     for _ in range(epochs):
@@ -87,11 +93,9 @@ def bare_rate(single, opts: argparse.Namespace, batch: int, precision: str, devi
     """Samples/s of the training step alone: what the stages do per batch, minus the data."""
     torch.manual_seed(0)
     model = single.build_model("resnet18", 10).to(device)
-    layout = torch.channels_last if device.type == "cuda" else torch.preserve_format
-    model.to(memory_format=layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
     step_model = torch.compile(model, mode="reduce-overhead") if opts.compile else model
-    source = torch.randn(batch, 3, 32, 32, device=device).to(memory_format=layout)
+    source = torch.randn(batch, 3, 32, 32, device=device)
     targets = torch.randint(10, (batch,), device=device)
 
     def step() -> None:
@@ -116,19 +120,26 @@ def bare_rate(single, opts: argparse.Namespace, batch: int, precision: str, devi
     return statistics.median(rates)
 
 
-def stage_rate(stage: str, opts, data_dir: Path, batch: int, precision: str, env: dict) -> float:
-    """Median samples/s over epochs 2.. of one run of a stage, launched as a user does."""
+def runner_rate(stage: str, opts, data_dir: Path, batch: int, precision: str, env: dict) -> float:
+    """Median samples/s over epochs 2.. of one run of a stage, launched as a user does, or of a
+    peer (benchmarks/peers.py)."""
     args = [str(opts.epochs), str(opts.epochs), "--data_dir", str(data_dir), "--arch", "resnet18"]
     args += ["--batch_size", str(batch), "--precision", precision]
     args += ["--compile"] if opts.compile else []
+    workers = opts.workers if opts.workers is not None else min(8, os.cpu_count()) * gpu(opts)
+    args += ["--workers", str(workers)]
+    if stage in PEERS:
+        peer = [str(REPO / "benchmarks" / "peers.py"), stage, str(data_dir)]
+        args = [*peer, "--epochs", str(opts.epochs), *args[4:10], *args[-2:]]
     script = str(REPO / f"{stage}.py")
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
-    command = {
+    commands = {
         "single_gpu": [sys.executable, script],
         "multigpu": [sys.executable, script, "--world_size", "1"],
         "multigpu_torchrun": [TORCHRUN, "--standalone", "--nproc_per_node=1", script],
         "multinode": [TORCHRUN, "--nnodes=1", "--nproc_per_node=1", *rendezvous, script],
-    }[stage]
+    }
+    command = commands.get(stage, [sys.executable])
     with tempfile.TemporaryDirectory() as cwd:
         run = subprocess.run(command + args, cwd=cwd, env=env, capture_output=True, text=True)
     output = run.stdout + run.stderr
@@ -140,6 +151,19 @@ def stage_rate(stage: str, opts, data_dir: Path, batch: int, precision: str, env
     for line in warnings:  # the stages should print none
         print(f"  {stage} printed: {line.strip()}", flush=True)
     return statistics.median(rates)
+
+
+def gpu(opts: argparse.Namespace) -> bool:
+    return opts.device == "cuda"
+
+
+def available(runner: str, opts: argparse.Namespace) -> bool:
+    """Lightning, Fabric and Accelerate when installed; with --compile, the stages alone (the
+    peers run as the tutorials write them)."""
+    if runner in PEERS and opts.compile:
+        return False
+    package = {"lightning": "lightning", "fabric": "lightning", "accelerate": "accelerate"}
+    return runner not in package or importlib.util.find_spec(package[runner]) is not None
 
 
 def main() -> None:
@@ -156,7 +180,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="per stage run; the 1st is left out")
     parser.add_argument("--steps", type=int, default=50, help="bare steps per timing (50)")
     parser.add_argument("--warmup", type=int, default=10, help="bare steps before timing (10)")
-    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated")
+    parser.add_argument("--workers", type=int, help="loader processes (GPU: 8, CPU: 0)")
+    parser.add_argument("--runners", default=",".join(PEERS + STAGES), help="comma-separated")
     opts = parser.parse_args()
     if opts.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: no GPU is visible (--device cpu runs it small, to try it)")
@@ -174,9 +199,9 @@ def main() -> None:
     compiled = "on" if opts.compile else "off"
     print(f"{time.strftime('%Y-%m-%d')}; {name}; torch {torch.__version__}; ResNet-18", flush=True)
     print(f"{opts.images} training PNGs of 32x32; --compile {compiled}", flush=True)
-    stages = opts.stages.split(",")
+    stages = [runner for runner in opts.runners.split(",") if available(runner, opts)]
     header = f"{'batch':>5} {'precision':>9} {'loader':>8} {'bare':>8}"
-    print(header + "".join(f" {s:>19}" for s in stages) + "  (samples/s, share of the bound)")
+    print(header + "".join(f" {s[:19]:>19}" for s in stages) + "  (samples/s, share of the bound)")
     worst = 1.0
     for batch in map(int, opts.batches.split(",")):
         loader = loader_rate(single, data_dir, batch, device, opts.epochs)
@@ -188,12 +213,13 @@ def main() -> None:
             bound = min(loader, bare)
             cells = []
             for stage in stages:
-                rate = stage_rate(stage, opts, data_dir, batch, precision, env)
-                worst = min(worst, rate / bound)
+                rate = runner_rate(stage, opts, data_dir, batch, precision, env)
+                if stage in STAGES:
+                    worst = min(worst, rate / bound)
                 cells.append(f" {rate:>11.0f} ({rate / bound:.2f})")
             row = f"{batch:>5} {precision:>9} {loader:>8.0f} {bare:>8.0f}" + "".join(cells)
             print(row, flush=True)
-    print(f"lowest share of min(loader, bare step): {worst:.2f} (goal: 0.85)")
+    print(f"lowest share of min(loader, bare step) of a stage: {worst:.2f} (goal: 0.85)")
     folder.cleanup()
 
 

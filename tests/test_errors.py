@@ -9,7 +9,6 @@ import sys
 import warnings
 
 import pytest
-import torch
 
 from conftest import REPO, write_bad_snapshot
 
@@ -94,11 +93,6 @@ def test_world_size(workdir, monkeypatch):
     assert "--world_size" in run_in_process(
         "multigpu", ["2", "1", "--world_size", "0"], monkeypatch
     )
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with 2 GPUs
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert "--world_size: invalid choice: 3" in run_in_process(
-        "multigpu", ["2", "1", "--world_size", "3"], monkeypatch
-    )
 
 
 def make_bad_tree(root, case):
@@ -153,10 +147,9 @@ def test_distributed_stage_refuses_a_bad_snapshot(runs):
     assert not (cwd / "payload-ran").exists() and not list(cwd.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("name", ["bad-data_dir", "bad-arch"])
-def test_distributed_stage_says_an_input_error_once(runs, name):
+def test_distributed_stage_says_an_input_error_once(runs):
     """Every rank finds it: the job prints the line once (the launcher adds none), no traceback."""
-    run = runs[name][1]
+    run = runs["bad-data_dir"][1]
     assert run.returncode != 0 and run.output.count("error: ") == 1, run.output
     assert "Traceback" not in run.output and "so the job stopped" not in run.output, run.output
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import EPOCHS, launch, load, max_param_diff, processes_in
+from conftest import EPOCHS, launch, load, max_param_diff, processes_in, single_gpu
 
 
 @pytest.mark.slow
@@ -21,6 +21,16 @@ def test_compile_under_ddp_with_accumulation(tmp_path, stage):
     snapshots = [load(tmp_path / name / "snapshot.pt") for name in ("plain", "compiled")]
     difference = max_param_diff(*snapshots)
     assert difference <= 1e-3, difference
+
+
+@pytest.mark.slow
+def test_compile_runs_on_the_cpu(tmp_path):
+    """single_gpu.py --compile, in the flags' form: it trains, and its snapshot is the model's."""
+    run = launch("single_gpu", ["--total_epochs", 1, "--save_every", 1, "--compile"], tmp_path)
+    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
+    assert "Traceback" not in run.output, run.output
+    snapshot = load(tmp_path / "snapshot.pt")
+    single_gpu().build_model("convnet", 10).load_state_dict(snapshot["model"])
 
 
 @pytest.mark.slow

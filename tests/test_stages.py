@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -159,13 +158,6 @@ def test_cifar10_recipe_flags(runs):
     assert "fc.weight" in load(cwd / "snapshot.pt")["model"]
 
 
-def test_compile_runs_on_the_cpu(runs):
-    cwd, run = runs["compile"]
-    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
-    assert "Traceback" not in run.output, run.output
-    single_gpu().build_model("convnet", 10).load_state_dict(load(cwd / "snapshot.pt")["model"])
-
-
 def test_arch_takes_a_torchvision_model():
     model = single_gpu().build_model("resnet18", 4)
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 4)
@@ -194,16 +186,10 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     assert rate(0.55) == pytest.approx(0.5) and rate(1.0) == pytest.approx(0)
 
 
-def gpu_like_trainer(path, fused: bool):
-    """A Trainer of the default model with fused AdamW when asked (as on GPUs), on the CPU, without
-    data: enough to load a snapshot."""
-    module = single_gpu()
-    trainer = module.Trainer.__new__(module.Trainer)
-    trainer.model = module.build_model("convnet", 10)
-    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), fused=fused)
-    trainer.device, trainer.global_rank, trainer.run = torch.device("cpu"), 0, {}
-    trainer.args = SimpleNamespace(snapshot_path=str(path), total_epochs=1)
-    return trainer
+def model_and_optimizer(fused: bool) -> tuple:
+    """The default model and AdamW, fused when asked (as on GPUs), on the CPU."""
+    model = single_gpu().build_model("convnet", 10)
+    return model, torch.optim.AdamW(model.parameters(), fused=fused)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -211,28 +197,28 @@ def test_the_optimizer_implementation_comes_from_the_machine(tmp_path, fused):
     """A snapshot of the other device type (fused AdamW on GPUs, not on a laptop) resumes with
     this machine's choice: the file's `fused` would switch the GPU's fused kernel off for good."""
     torch.manual_seed(0)
-    saved = gpu_like_trainer(tmp_path / "snapshot.pt", fused=not fused)
-    saved.model(torch.randn(2, 3, 32, 32)).sum().backward()
-    saved.optimizer.step()
-    snapshot = {"model": saved.model.state_dict(), "optimizer": saved.optimizer.state_dict()}
+    model, optimizer = model_and_optimizer(fused=not fused)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     torch.save({**snapshot, "epoch": 1}, tmp_path / "snapshot.pt")
-    trainer = gpu_like_trainer(tmp_path / "snapshot.pt", fused=fused)
-    assert "error" not in trainer._load_snapshot()
-    group = trainer.optimizer.param_groups[0]
+    model, optimizer = model_and_optimizer(fused=fused)
+    assert "error" not in single_gpu().load_snapshot(tmp_path / "snapshot.pt", model, optimizer, {})
+    group = optimizer.param_groups[0]
     assert group["fused"] is fused and group["foreach"] is None, group
-    step = next(iter(trainer.optimizer.state.values()))["step"]
+    step = next(iter(optimizer.state.values()))["step"]
     assert step.dtype == torch.float32 and step.dim() == 0 and step.item() == 1  # where it goes
-    trainer.model(torch.randn(2, 3, 32, 32)).sum().backward()
-    trainer.optimizer.step()  # the chosen implementation runs from the loaded state
-    assert trainer.optimizer.state_dict()["param_groups"][0]["fused"] is fused
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    optimizer.step()  # the chosen implementation runs from the loaded state
+    assert optimizer.state_dict()["param_groups"][0]["fused"] is fused
 
 
-@pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
+@pytest.mark.parametrize("stage", ["multigpu", "multigpu_torchrun", "multinode"])
 @pytest.mark.parametrize("gpus, processes", [(2, 4), (1, 2)])
 def test_more_processes_than_gpus_are_refused(monkeypatch, stage, gpus, processes):
-    """4 processes on a node that shows 2 GPUs, or two on one GPU, would share a GPU (NCCL:
-    "Duplicate GPU detected"): one line from local rank 0 before the process group starts, the
-    others exit 1."""
+    """4 processes on a node that shows 2 GPUs, or two on one GPU (`--world_size 2` on a machine
+    with one, torchrun's --nproc_per_node=2 there), would share a GPU (NCCL: "Duplicate GPU
+    detected"): one line from local rank 0 before the process group starts, the others exit 1."""
     spec = importlib.util.spec_from_file_location(stage, REPO / f"{stage}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -247,9 +233,11 @@ def test_more_processes_than_gpus_are_refused(monkeypatch, stage, gpus, processe
 
 
 def test_flags_as_the_walkthroughs_write_them(runs):
-    """--total_epochs 1 --save_every 1 in every stage (the compile and exit-hooks runs): it
+    """--total_epochs 1 --save_every 1 in every stage (the exit-hooks and exit-workers runs): it
     trains, where Python 3.10 and 3.11 refused the flags of a positional's pair."""
-    for name in ["compile"] + [f"exit-workers-{stage}" for stage in STAGES]:
+    names = [f"exit-workers-{stage}" for stage in STAGES[:2]]
+    names += [f"exit-hooks-{stage}" for stage in STAGES[2:]]
+    for name in names:
         run = runs[name][1]
         assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], (name, run.output)
 
