@@ -41,6 +41,7 @@ def ignore_stop_signals(worker_id: int) -> None:
 
 def setup(local_rank: int, local_world_size: int, global_rank: int) -> torch.device:
     """The one place that picks the hardware: a GPU for each process, else the CPU."""
+    torch.set_num_threads(max(1, os.cpu_count() // local_world_size))  # its share of the cores
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL cannot share a GPU between processes
         error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
@@ -381,7 +382,6 @@ if __name__ == "__main__":
         s.bind(("localhost", 0))
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(s.getsockname()[1]))
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(args.world_size)  # as torchrun
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: the processes share the cores
     # Kubernetes and `kill` signal the launcher alone: it passes SIGTERM and SIGUSR1 on. Ctrl-C
     # reaches every process of the terminal's group already.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

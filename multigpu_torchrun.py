@@ -40,6 +40,7 @@ def ignore_stop_signals(worker_id: int) -> None:
 
 def setup(local_rank: int, local_world_size: int, global_rank: int) -> torch.device:
     """The one place that picks the hardware: a GPU for each process, else the CPU."""
+    torch.set_num_threads(max(1, os.cpu_count() // local_world_size))  # its share of the cores
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL cannot share a GPU between processes
         error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"

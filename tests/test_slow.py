@@ -1,8 +1,20 @@
 """Runs that take minutes on the 2-core machine: python -m pytest -m slow (CI runs them too)."""
 
+import statistics
+import sys
+
 import pytest
 
-from conftest import EPOCHS, launch, load, max_param_diff, processes_in, single_gpu
+from conftest import (
+    EPOCHS,
+    REPO,
+    launch,
+    load,
+    max_param_diff,
+    processes_in,
+    single_gpu,
+    stage_env,
+)
 
 
 @pytest.mark.slow
@@ -48,3 +60,20 @@ def test_ten_epoch_runs_exit_cleanly(tmp_path, run_index):
     assert run.returncode == 0 and len(run.epochs()) == 10, run.output
     assert "terminate called" not in run.output and not processes_in(tmp_path), run.output
     assert load(tmp_path / "snapshot.pt")["epoch"] == 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu_torchrun"])
+def test_a_stage_keeps_up_with_the_plain_loop(tmp_path, stage):
+    """benchmarks/stage_overhead.py, small: ResNet-18 on PNGs with 2 loader workers, the stage at
+    world size 1 against the plain loop of the tutorials, in pairs. A stage's host work per step
+    and per epoch would show as a ratio below 1 (measured: 0.96-1.04); 0.8 leaves room for this
+    machine's noise."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import stage_overhead
+
+    opts = stage_overhead.options(["--pairs", "2", "--images", "256", "--val", "64"])
+    stage_overhead.bench.make_folder(tmp_path, opts.images, opts.val)
+    env = stage_env()
+    ratios = stage_overhead.paired_ratios(stage, opts, tmp_path, env)
+    assert statistics.median(ratios) >= 0.8, ratios
