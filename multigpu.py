@@ -386,8 +386,14 @@ if __name__ == "__main__":
     # reaches every process of the terminal's group already.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ranks = torch.multiprocessing.spawn(main, args=(args,), nprocs=args.world_size, join=False)
-    for signum in STOP_SIGNALS[1:]:
-        signal.signal(signum, lambda signum, _: [os.kill(p.pid, signum) for p in ranks.processes])
+
+    def pass_on(signum: int, frame: object) -> None:
+        for rank in ranks.processes:
+            if rank.exitcode is None:  # not yet reaped: its PID is still its own
+                os.kill(rank.pid, signum)
+
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, pass_on)
     try:
         while not ranks.join(grace_period=3):
             pass
