@@ -103,6 +103,24 @@ def lightning(opts: argparse.Namespace, device: torch.device) -> None:
     trainer.fit(Classifier(), train_data, val_data)
 
 
+def framework_loop(opts, model, optimizer, loaders: tuple, backward, device, samples: int) -> None:
+    """The plain loop's steps, with a framework's backward; it placed the model and the batches."""
+    train_data, val_data = loaders
+    for epoch in range(opts.epochs):
+        began = time.perf_counter()
+        model.train()
+        for source, targets in train_data:
+            loss = F.cross_entropy(model(source), targets)
+            optimizer.zero_grad()
+            backward(loss)
+            optimizer.step()
+        model.eval()
+        with torch.no_grad():
+            for source, targets in val_data:
+                model(source).argmax(1).eq(targets).sum()
+        report(epoch, samples, began, device)
+
+
 def fabric(opts: argparse.Namespace, device: torch.device) -> None:
     from lightning.fabric import Fabric
 
@@ -112,20 +130,9 @@ def fabric(opts: argparse.Namespace, device: torch.device) -> None:
     model = models.get_model(opts.arch, num_classes=10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = fabric.setup(model, optimizer)
-    train_data, val_data = fabric.setup_dataloaders(*loaders(opts, device.type == "cuda"))
-    for epoch in range(opts.epochs):
-        began = time.perf_counter()
-        model.train()
-        for source, targets in train_data:
-            loss = F.cross_entropy(model(source), targets)
-            optimizer.zero_grad()
-            fabric.backward(loss)
-            optimizer.step()
-        model.eval()
-        with torch.no_grad():
-            for source, targets in val_data:
-                model(source).argmax(1).eq(targets).sum()
-        report(epoch, len(train_data.dataset), began, device)
+    data = fabric.setup_dataloaders(*loaders(opts, device.type == "cuda"))
+    samples = len(datasets_of(opts)[0])
+    framework_loop(opts, model, optimizer, data, fabric.backward, device, samples)
 
 
 def accelerate(opts: argparse.Namespace, device: torch.device) -> None:
@@ -134,23 +141,11 @@ def accelerate(opts: argparse.Namespace, device: torch.device) -> None:
     accelerator = Accelerator(mixed_precision="bf16" if opts.precision == "bf16" else "no")
     model = models.get_model(opts.arch, num_classes=10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train_data, val_data = loaders(opts, device.type == "cuda")
-    model, optimizer, train_data, val_data = accelerator.prepare(
-        model, optimizer, train_data, val_data
+    model, optimizer, *data = accelerator.prepare(
+        model, optimizer, *loaders(opts, device.type == "cuda")
     )
-    for epoch in range(opts.epochs):
-        began = time.perf_counter()
-        model.train()
-        for source, targets in train_data:
-            loss = F.cross_entropy(model(source), targets)
-            optimizer.zero_grad()
-            accelerator.backward(loss)
-            optimizer.step()
-        model.eval()
-        with torch.no_grad():
-            for source, targets in val_data:
-                model(source).argmax(1).eq(targets).sum()
-        report(epoch, len(datasets_of(opts)[0]), began, device)
+    samples = len(datasets_of(opts)[0])
+    framework_loop(opts, model, optimizer, data, accelerator.backward, device, samples)
 
 
 RUNNERS = {"plain": plain, "lightning": lightning, "fabric": fabric, "accelerate": accelerate}
