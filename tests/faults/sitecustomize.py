@@ -18,7 +18,6 @@ themselves carry no test hooks:
   FAULT_SAVE_FROM=N               ...from the N-th save of the process on (1)
   FAULT_SIGNAL=NAME:WHEN          rank 0 sends itself signal NAME once: WHEN is step:N (after its
                                   N-th optimizer step) or save (as its first save starts)
-  FAULT_SIGNAL_TO=parent          ...to its parent instead: the launcher (torchrun)
 """
 
 import os
@@ -150,8 +149,7 @@ if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIG
         def send(when: str) -> None:
             if when == _when and _rank() == 0 and not _sent:
                 _sent.append(time.time())
-                to_parent = os.environ.get("FAULT_SIGNAL_TO") == "parent"
-                os.kill(os.getppid() if to_parent else os.getpid(), signal.Signals[_name])
+                os.kill(os.getpid(), signal.Signals[_name])
 
         _steps = [0]
 
