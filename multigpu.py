@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 # Clusters stop jobs with signals: SIGTERM to preempt, SIGUSR1 before a time limit (not Windows).
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
@@ -27,7 +26,7 @@ stop_signals: list[int] = []
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
-    """Noted, to stop after the next optimizer step; a second Ctrl-C ends the process at once."""
+    """Stop after the optimizer step; a second Ctrl-C ends the process at once."""
     stop_signals.append(signum)
     if signum == signal.SIGINT:
         signal.signal(signum, signal.SIG_DFL)
@@ -39,8 +38,9 @@ def ignore_stop_signals(worker_id: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def setup(local_rank: int, local_world_size: int, global_rank: int) -> torch.device:
-    """The one place that picks the hardware: a GPU for each process, else the CPU."""
+def setup(local_rank: int, global_rank: int) -> torch.device:
+    """The one place that picks the hardware: a GPU, else the CPU."""
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     torch.set_num_threads(max(1, os.cpu_count() // local_world_size))  # its share of the cores
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL cannot share a GPU between processes
@@ -49,20 +49,19 @@ def setup(local_rank: int, local_world_size: int, global_rank: int) -> torch.dev
     device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)
-        torch.set_float32_matmul_precision("high")  # float32 products on tensor cores, as nanoGPT
+        torch.set_float32_matmul_precision("high")  # float32 products on tensor cores (TF32)
     backend = dist.get_default_backend_for_device(device)  # NCCL between GPUs, gloo between CPUs
-    dist.init_process_group(backend, rank=global_rank, device_id=device.index)  # the rest: env
+    dist.init_process_group(backend, rank=global_rank, device_id=device if gpus else None)
     torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # Linux: dies with its launcher
     return device
 
 
 def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Dataset, Dataset, int]:
-    """Train, val and the number of classes: built-in data, or DIR/{train,val}/CLASS/*."""
+    """Train, val and the number of classes: built-in images, or DIR/{train,val}/CLASS/*."""
     if data_dir is None:
         if augment != "none":
-            sys.exit("error: --augment needs --data_dir: the built-in images are not augmented")
-        # A smooth prototype per class under noise, the same in every process.
-        g = torch.Generator().manual_seed(1234)
+            raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
+        g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, under noise
         labels = torch.randint(10, (720,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32)
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, 32, 32, generator=g)
@@ -79,9 +78,11 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
         train = datasets.ImageFolder(f"{data_dir}/train", T.Compose(resize + chosen + to_tensor))
         val = datasets.ImageFolder(f"{data_dir}/val", T.Compose(resize + to_tensor))
     except OSError as e:
-        sys.exit(f"error: --data_dir {data_dir}: {e} (expected DIR/train/CLASS/, DIR/val/CLASS/)")
+        raise ValueError(
+            f"--data_dir {data_dir}: {e} (expected DIR/train/CLASS/, DIR/val/CLASS/)"
+        ) from None
     if train.classes != val.classes:
-        sys.exit(f"error: --data_dir {data_dir}: train/ and val/ must hold the same class folders")
+        raise ValueError(f"--data_dir {data_dir}: train/ and val/ need the same class folders")
     return train, val, len(train.classes)
 
 
@@ -110,7 +111,7 @@ def build_model(arch: str, classes: int) -> nn.Module:
     from torchvision import models
 
     if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
-        sys.exit(f"error: --arch {arch}: use convnet or a torchvision classifier (no aux loss)")
+        raise ValueError(f"--arch {arch}: use convnet or a torchvision classifier (no aux loss)")
     return models.get_model(arch, num_classes=classes)
 
 
@@ -125,16 +126,14 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     if not os.path.exists(path):
         return {"epoch": 0, "samples": 0, "loss_sum": 0.0}
     try:
-        # weights_only: tensors and plain data, never code from the file.
-        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)  # runs no code
         ran = snapshot.get("run", run)
         differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
         if differs:
             error = f"{path} holds another run ({'; '.join(differs)})"
             return {"error": f"error: {error}: give this one its own --snapshot_path"}
         model.load_state_dict(snapshot["model"])
-        # This machine's AdamW implementation, not the file's: a laptop's would turn fused off.
-        for group in snapshot["optimizer"]["param_groups"]:
+        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW, not the file's
             group.update(fused=optimizer.defaults["fused"], foreach=None)
         optimizer.load_state_dict(snapshot["optimizer"])
     except Exception as e:
@@ -142,19 +141,19 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     return {key: snapshot.get(key, 0) for key in ("epoch", "samples", "loss_sum")}
 
 
-def save_snapshot(path: str, snapshot: dict) -> str:
-    """Written beside the last one, then renamed over it: a crash or a full disk keeps the last
-    one. Returns "" or the error line."""
+def save_snapshot(path: str, snapshot: dict) -> bool:
+    """Written beside the last one, then renamed over it: a crash or a full disk keeps the last."""
     try:
         with open(f"{path}.tmp", "wb") as f:
             torch.save(snapshot, f)
             os.fsync(f.fileno())
         os.replace(f"{path}.tmp", path)
+        return True
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
             os.remove(f"{path}.tmp")
-        return f"error: cannot save {path}: {e}; the last snapshot is kept"
-    return ""
+        print(f"error: cannot save {path}: {e}; the last snapshot is kept", file=sys.stderr)
+        return False
 
 
 class Trainer:
@@ -169,12 +168,11 @@ class Trainer:
         self.run = run
         self.global_rank = dist.get_rank()
         self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
-        # Every rank resumes from the same place, or none trains.
         loaded = [None] * dist.get_world_size()
-        dist.all_gather_object(loaded, self.resume)
-        if any(done != loaded[0] for done in loaded):
-            apart = f"error: ranks resume from different snapshots: share {args.snapshot_path}"
-            self.resume = {"error": apart}
+        dist.all_gather_object(loaded, self.resume)  # every rank resumes from the same place
+        if loaded != [loaded[0]] * len(loaded):
+            error = f"error: ranks resume from different snapshots: share {args.snapshot_path}"
+            self.resume = {"error": error}
         if "error" in self.resume:
             dist.destroy_process_group()
             sys.exit(self.resume["error"] if self.global_rank == 0 else 1)
@@ -182,35 +180,31 @@ class Trainer:
         self.cpu_group = dist.new_group(backend="gloo")
         self.noted = torch.tensor(0)
         self.stop_check = dist.all_reduce(self.noted, group=self.cpu_group, async_op=True)
-        # The training step calls train_model (DDP: it all-reduces gradients); evaluation and
-        # snapshots use the model.
-        self.train_model = model
+        self.train_model = model  # what the training step calls; the rest uses the model
         if args.compile:
             # CUDA graphs launch a step at once, but a replay would overwrite summed gradients.
             mode = "reduce-overhead" if args.grad_accum == 1 else None
             self.train_model = torch.compile(self.train_model, mode=mode)
-        # Compiled first, as nanoGPT does: DDP's own forward stays out of the compiled graph.
+        # DDP all-reduces gradients; compiled first, as nanoGPT, so its forward is not traced.
         self.train_model = nn.parallel.DistributedDataParallel(self.train_model)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
-        """Rank 0 writes the snapshot; False, said in one line, if it could not."""
-        error = ""
+        """Rank 0 writes the snapshot; False if it could not."""
+        saved = True
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            error = save_snapshot(self.args.snapshot_path, snapshot)
-        if error:
-            print(error, file=sys.stderr, flush=True)
-        # The others wait for the write, however long, and learn whether it failed.
-        failed = torch.tensor(int(bool(error)))
-        dist.all_reduce(failed, group=self.cpu_group)
-        return not failed
+            saved = save_snapshot(self.args.snapshot_path, snapshot)
+        saved = torch.tensor(int(saved))
+        dist.all_reduce(saved, dist.ReduceOp.MIN, self.cpu_group)  # the others wait for the write
+        return saved
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        source = source.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # A mean over the global batch, whatever the micro-batch or the number of ranks (DDP
-        # averages the ranks' gradients).
+        # The mean over the global batch, whatever the micro-batch and the number of ranks.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
@@ -218,22 +212,20 @@ class Trainer:
         """From the epoch's `samples`-th sample on: loss sum, samples, stop signal or 0."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        batch_size, accumulate = self.args.batch_size, self.args.grad_accum
-        # Resumed: after the last step trained, a short last one included.
+        batch_size = self.args.batch_size
+        # Resumed: after the last step trained, a short last one too.
         first = -(-samples // (sampler.num_replicas * batch_size))
         sampler.start = first * batch_size
         steps = len(self.train_data)
+        accumulate = self.args.grad_accum
         updates = -(-steps // accumulate)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
-            source = source.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
             update = (step + 1) % accumulate == 0 or step + 1 == steps
-            # DDP all-reduces gradients in the backward pass of an update's last batch only.
             with contextlib.nullcontext() if update else self.train_model.no_sync():
-                loss_sum += self._run_batch(source, targets)
+                loss_sum += self._run_batch(source, targets)  # DDP all-reduces at updates only
             if not update:
                 continue
             lr_step = epoch * updates + step // accumulate
@@ -264,16 +256,15 @@ class Trainer:
         return correct, len(self.val_data.dataset)
 
     def train(self) -> int:
-        """Returns 0 at the end; at a stop signal, saved, 128 + it; 1 if it cannot save."""
+        """0 at the end; 128 + the signal at a stop, saved; 1 if a save failed."""
         epochs_run, skipped, loss_saved = self.resume.values()
         for epoch in range(epochs_run, self.args.total_epochs):
             began = time.perf_counter()
             loss_sum, samples, stopped = self._run_epoch(epoch, skipped)
             correct, evaluated = (0, 0) if stopped else self._evaluate()
-            # Every rank's figures, summed in one all-reduce.
             figures = [float(loss_sum), samples, float(correct), evaluated]
-            figures = torch.tensor(figures, dtype=torch.float64, device=self.device)
-            dist.all_reduce(figures)
+            figures = torch.tensor(figures, dtype=torch.float64)
+            dist.all_reduce(figures, group=self.cpu_group)  # summed over the ranks
             loss_sum, samples, correct, evaluated = figures.tolist()
             loss_sum += loss_saved
             if stopped:
@@ -301,13 +292,12 @@ def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
     """Loader processes prepare batches while a GPU computes; on a CPU, the cores compute."""
-    cores = os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])
-    workers = args.workers if args.workers is not None else min(8, cores) * gpu
+    workers = min(8, torch.get_num_threads()) * gpu if args.workers is None else args.workers
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
     load.update(worker_init_fn=ignore_stop_signals)
     if workers:  # forked: ranks that spawn started would spawn theirs, each importing torch again
         load.update(multiprocessing_context="fork")
-    sampler = EpochSampler(train_set, seed=args.seed)  # this rank's share of every batch
+    sampler = EpochSampler(train_set, seed=args.seed)
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
@@ -318,21 +308,20 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         signal.signal(signum, note_stop_signal)
     global_rank = local_rank  # on one node, the rank in the job is the local rank
     torch.manual_seed(args.seed)
-    # Every rank finds the same faults in the input: rank 0 alone says them.
     try:
         train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
         model = build_model(args.arch, classes)
-    except SystemExit as e:
-        sys.exit(e.code if global_rank == 0 else 1)
-    device = setup(local_rank, int(os.environ["LOCAL_WORLD_SIZE"]), global_rank)
+    except ValueError as e:  # bad input: one line for the job, not a traceback
+        sys.exit(f"error: {e}" if global_rank == 0 else 1)
+    device = setup(local_rank, global_rank)
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before cuBLAS starts: it reads it once
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
+    model.to(device)
     if device.type == "cuda":  # BatchNorm statistics over all ranks
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(device)
-    # What decides the result: a snapshot of another run is refused rather than resumed.
+    # What decides the result: a snapshot of another run is refused, not resumed.
     run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
     run.update(data=[classes, len(train_set), len(val_set), args.image_size])
     run["batch"] = args.batch_size * args.grad_accum * dist.get_world_size()
@@ -355,8 +344,7 @@ def integer(text: str, least: int = 1) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     add = parser.add_argument
-    # Optional positionals, taken over the flags after parsing: both forms work.
-    add("epochs", type=integer, nargs="?", help="as --total_epochs")
+    add("epochs", type=integer, nargs="?", help="as --total_epochs")  # positionals or flags
     add("every", type=integer, nargs="?", help="as --save_every")
     add("--total_epochs", type=integer, default=5)
     add("--save_every", type=integer, default=5)
@@ -364,7 +352,7 @@ if __name__ == "__main__":
     add("--grad_accum", type=integer, default=1)
     add("--lr", type=float, default=3e-3)
     add("--seed", type=int, default=0)
-    add("--snapshot_path", default="multigpu.pt")
+    add("--snapshot_path", default=os.path.basename(__file__).replace(".py", ".pt"))
     add("--data_dir")
     add("--image_size", type=integer, default=32)
     add("--augment", default="none", choices=["none", "crop", "flip", "crop+flip"])
@@ -373,8 +361,7 @@ if __name__ == "__main__":
     add("--deterministic", action="store_true")
     add("--compile", action="store_true")
     add("--workers", type=lambda text: integer(text, 0))
-    gpus = torch.cuda.device_count()
-    add("--world_size", type=integer, default=gpus or 2)
+    add("--world_size", type=integer, default=torch.cuda.device_count() or 2)
     args = parser.parse_args()
     args.total_epochs = args.epochs or args.total_epochs
     args.save_every = args.every or args.save_every
@@ -382,12 +369,10 @@ if __name__ == "__main__":
         s.bind(("localhost", 0))
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(s.getsockname()[1]))
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(args.world_size)  # as torchrun
-    # Kubernetes and `kill` signal the launcher alone: it passes SIGTERM and SIGUSR1 on. Ctrl-C
-    # reaches every process of the terminal's group already.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank from the terminal
     ranks = torch.multiprocessing.spawn(main, args=(args,), nprocs=args.world_size, join=False)
 
-    def pass_on(signum: int, frame: object) -> None:
+    def pass_on(signum: int, frame: object) -> None:  # Kubernetes signals the launcher alone
         for rank in ranks.processes:
             if rank.exitcode is None:  # not yet reaped: its PID is still its own
                 os.kill(rank.pid, signum)

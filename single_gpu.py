@@ -1,4 +1,4 @@
-"""Stage 1 of 4, one process trains on one GPU, or on the CPU: python single_gpu.py 50 10
+"""Stage 1 of 4, one process on one GPU or the CPU: python single_gpu.py 50 10
 
 50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after an optimizer step, saved;
 the same command resumes it. The next stages add distribution only.
@@ -23,7 +23,7 @@ stop_signals: list[int] = []
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
-    """Noted, to stop after the next optimizer step; a second Ctrl-C ends the process at once."""
+    """Stop after the optimizer step; a second Ctrl-C ends the process at once."""
     stop_signals.append(signum)
     if signum == signal.SIGINT:
         signal.signal(signum, signal.SIG_DFL)
@@ -36,21 +36,20 @@ def ignore_stop_signals(worker_id: int) -> None:
 
 
 def setup() -> torch.device:
-    """The one place that picks the hardware: a GPU for each process, else the CPU."""
+    """The one place that picks the hardware: a GPU, else the CPU."""
     gpus = torch.cuda.device_count()
     device = torch.device("cuda") if gpus else torch.device("cpu")
     if gpus:
-        torch.set_float32_matmul_precision("high")  # float32 products on tensor cores, as nanoGPT
+        torch.set_float32_matmul_precision("high")  # float32 products on tensor cores (TF32)
     return device
 
 
 def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Dataset, Dataset, int]:
-    """Train, val and the number of classes: built-in data, or DIR/{train,val}/CLASS/*."""
+    """Train, val and the number of classes: built-in images, or DIR/{train,val}/CLASS/*."""
     if data_dir is None:
         if augment != "none":
-            sys.exit("error: --augment needs --data_dir: the built-in images are not augmented")
-        # A smooth prototype per class under noise, the same in every process.
-        g = torch.Generator().manual_seed(1234)
+            raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
+        g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, under noise
         labels = torch.randint(10, (720,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32)
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, 32, 32, generator=g)
@@ -67,9 +66,11 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
         train = datasets.ImageFolder(f"{data_dir}/train", T.Compose(resize + chosen + to_tensor))
         val = datasets.ImageFolder(f"{data_dir}/val", T.Compose(resize + to_tensor))
     except OSError as e:
-        sys.exit(f"error: --data_dir {data_dir}: {e} (expected DIR/train/CLASS/, DIR/val/CLASS/)")
+        raise ValueError(
+            f"--data_dir {data_dir}: {e} (expected DIR/train/CLASS/, DIR/val/CLASS/)"
+        ) from None
     if train.classes != val.classes:
-        sys.exit(f"error: --data_dir {data_dir}: train/ and val/ must hold the same class folders")
+        raise ValueError(f"--data_dir {data_dir}: train/ and val/ need the same class folders")
     return train, val, len(train.classes)
 
 
@@ -77,12 +78,12 @@ class EpochSampler(RandomSampler):
     """The epoch's shuffle, drawn from the seed and the epoch, from its `start`-th sample on."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
-        super().__init__(dataset)
+        super().__init__(dataset, generator=torch.Generator())
         self.seed = seed
         self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.generator = torch.Generator().manual_seed(self.seed + epoch)
+        self.generator.manual_seed(self.seed + epoch)
 
     def __iter__(self):
         return itertools.islice(super().__iter__(), self.start, None)
@@ -102,7 +103,7 @@ def build_model(arch: str, classes: int) -> nn.Module:
     from torchvision import models
 
     if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
-        sys.exit(f"error: --arch {arch}: use convnet or a torchvision classifier (no aux loss)")
+        raise ValueError(f"--arch {arch}: use convnet or a torchvision classifier (no aux loss)")
     return models.get_model(arch, num_classes=classes)
 
 
@@ -117,16 +118,14 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     if not os.path.exists(path):
         return {"epoch": 0, "samples": 0, "loss_sum": 0.0}
     try:
-        # weights_only: tensors and plain data, never code from the file.
-        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)  # runs no code
         ran = snapshot.get("run", run)
         differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
         if differs:
             error = f"{path} holds another run ({'; '.join(differs)})"
             return {"error": f"error: {error}: give this one its own --snapshot_path"}
         model.load_state_dict(snapshot["model"])
-        # This machine's AdamW implementation, not the file's: a laptop's would turn fused off.
-        for group in snapshot["optimizer"]["param_groups"]:
+        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW, not the file's
             group.update(fused=optimizer.defaults["fused"], foreach=None)
         optimizer.load_state_dict(snapshot["optimizer"])
     except Exception as e:
@@ -134,19 +133,19 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     return {key: snapshot.get(key, 0) for key in ("epoch", "samples", "loss_sum")}
 
 
-def save_snapshot(path: str, snapshot: dict) -> str:
-    """Written beside the last one, then renamed over it: a crash or a full disk keeps the last
-    one. Returns "" or the error line."""
+def save_snapshot(path: str, snapshot: dict) -> bool:
+    """Written beside the last one, then renamed over it: a crash or a full disk keeps the last."""
     try:
         with open(f"{path}.tmp", "wb") as f:
             torch.save(snapshot, f)
             os.fsync(f.fileno())
         os.replace(f"{path}.tmp", path)
+        return True
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
             os.remove(f"{path}.tmp")
-        return f"error: cannot save {path}: {e}; the last snapshot is kept"
-    return ""
+        print(f"error: cannot save {path}: {e}; the last snapshot is kept", file=sys.stderr)
+        return False
 
 
 class Trainer:
@@ -163,29 +162,27 @@ class Trainer:
         self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         if "error" in self.resume:
             sys.exit(self.resume["error"])
-        # The training step calls train_model; evaluation and snapshots use the model.
-        self.train_model = model
+        self.train_model = model  # what the training step calls; the rest uses the model
         if args.compile:
             # CUDA graphs launch a step at once, but a replay would overwrite summed gradients.
             mode = "reduce-overhead" if args.grad_accum == 1 else None
             self.train_model = torch.compile(self.train_model, mode=mode)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
-        """Rank 0 writes the snapshot; False, said in one line, if it could not."""
-        error = ""
+        """Rank 0 writes the snapshot; False if it could not."""
+        saved = True
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            error = save_snapshot(self.args.snapshot_path, snapshot)
-        if error:
-            print(error, file=sys.stderr, flush=True)
-        return not error
+            saved = save_snapshot(self.args.snapshot_path, snapshot)
+        return saved
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        source = source.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # A mean over the global batch, whatever the micro-batch or the number of ranks (DDP
-        # averages the ranks' gradients).
+        # The mean over the global batch, whatever the micro-batch and the number of ranks.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
@@ -193,18 +190,17 @@ class Trainer:
         """From the epoch's `samples`-th sample on: loss sum, samples, stop signal or 0."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        batch_size, accumulate = self.args.batch_size, self.args.grad_accum
-        # Resumed: after the last step trained, a short last one included.
+        batch_size = self.args.batch_size
+        # Resumed: after the last step trained, a short last one too.
         first = -(-samples // batch_size)
         sampler.start = first * batch_size
         steps = len(self.train_data)
+        accumulate = self.args.grad_accum
         updates = -(-steps // accumulate)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
-            source = source.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
             update = (step + 1) % accumulate == 0 or step + 1 == steps
             loss_sum += self._run_batch(source, targets)
             if not update:
@@ -233,7 +229,7 @@ class Trainer:
         return correct, len(self.val_data.dataset)
 
     def train(self) -> int:
-        """Returns 0 at the end; at a stop signal, saved, 128 + it; 1 if it cannot save."""
+        """0 at the end; 128 + the signal at a stop, saved; 1 if a save failed."""
         epochs_run, skipped, loss_saved = self.resume.values()
         for epoch in range(epochs_run, self.args.total_epochs):
             began = time.perf_counter()
@@ -265,7 +261,7 @@ def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
     """Loader processes prepare batches while a GPU computes; on a CPU, the cores compute."""
-    workers = args.workers if args.workers is not None else min(8, os.cpu_count()) * gpu
+    workers = min(8, torch.get_num_threads()) * gpu if args.workers is None else args.workers
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
     load.update(worker_init_fn=ignore_stop_signals)
     sampler = EpochSampler(train_set, seed=args.seed)
@@ -277,15 +273,18 @@ def main(args: argparse.Namespace) -> int:
     for signum in STOP_SIGNALS:
         signal.signal(signum, note_stop_signal)
     torch.manual_seed(args.seed)
-    train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
-    model = build_model(args.arch, classes)
+    try:
+        train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
+        model = build_model(args.arch, classes)
+    except ValueError as e:  # bad input: one line for the job, not a traceback
+        sys.exit(f"error: {e}")
     device = setup()
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before cuBLAS starts: it reads it once
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
     model.to(device)
-    # What decides the result: a snapshot of another run is refused rather than resumed.
+    # What decides the result: a snapshot of another run is refused, not resumed.
     run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
     run.update(data=[classes, len(train_set), len(val_set), args.image_size])
     run["batch"] = args.batch_size * args.grad_accum
@@ -303,8 +302,7 @@ def integer(text: str, least: int = 1) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     add = parser.add_argument
-    # Optional positionals, taken over the flags after parsing: both forms work.
-    add("epochs", type=integer, nargs="?", help="as --total_epochs")
+    add("epochs", type=integer, nargs="?", help="as --total_epochs")  # positionals or flags
     add("every", type=integer, nargs="?", help="as --save_every")
     add("--total_epochs", type=integer, default=5)
     add("--save_every", type=integer, default=5)
@@ -312,7 +310,7 @@ if __name__ == "__main__":
     add("--grad_accum", type=integer, default=1)
     add("--lr", type=float, default=3e-3)
     add("--seed", type=int, default=0)
-    add("--snapshot_path", default="single_gpu.pt")
+    add("--snapshot_path", default=os.path.basename(__file__).replace(".py", ".pt"))
     add("--data_dir")
     add("--image_size", type=integer, default=32)
     add("--augment", default="none", choices=["none", "crop", "flip", "crop+flip"])
