@@ -249,7 +249,6 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 DEAD_RANKS = {  # stage, fault, and how the output names the rank that failed
-    "multigpu-raise": ("multigpu", "raise:1:0", "Process 1 terminated"),
     "multigpu-kill": ("multigpu", "kill:1:0", "error: process 1 terminated with signal SIGKILL"),
     "torchrun-raise": ("multigpu_torchrun", "raise:1:0", "rank      : 1 (local_rank: 1)"),
 }  # a SIGKILLed worker under torchrun: test_elastic_restart_resumes_exactly
@@ -416,61 +415,37 @@ def runs(tmp_path_factory):
         args = [EPOCHS, 1, *global_batch_args(stage)]
         runs.start(f"reference-{stage}", cwd, stage=stage, args=args, env=env)
     flags = ["--total_epochs", 1, "--save_every", 1]  # the form of the walkthroughs: test_stages.py
-    # Stopped after epoch 2 and started again; "cross": multinode.py's snapshot in single_gpu.py.
-    for name, stage, source, epochs in (
-        ("resume-multigpu", "multigpu", "multigpu", EPOCHS),
-        ("cross", "single_gpu", "multinode", EPOCHS),
-    ):
-        cwd = folder(name)
-        copy = functools.partial(
-            shutil.copyfile, references[source] / "snapshot.pt.epoch2", cwd / "snapshot.pt"
-        )
-        args = [epochs, 1, *global_batch_args(stage)]
-        runs.start(name, cwd, after=f"reference-{source}", prepare=copy, stage=stage, args=args)
-    # A worker SIGKILLed in epoch 3 (test_stages.py); the same, started as most tutorials show it.
-    for stage, rank in (("multigpu_torchrun", 0), ("multinode", 1)):
+    # multinode.py's snapshot of epoch 2 resumed in single_gpu.py.
+    cwd = folder("cross")
+    copy = functools.partial(
+        shutil.copyfile, references["multinode"] / "snapshot.pt.epoch2", cwd / "snapshot.pt"
+    )
+    args = [EPOCHS, 1, *global_batch_args("single_gpu")]
+    runs.start(
+        "cross", cwd, after="reference-multinode", prepare=copy, stage="single_gpu", args=args
+    )
+    # A worker SIGKILLed in epoch 3 (test_stages.py); the same, started as most tutorials show it
+    # (test_faults.py; multinode.py checks the variable as multigpu_torchrun.py does).
+    elastic = [("elastic-multigpu_torchrun", 0, RESTARTS_ENV), ("plain-multigpu_torchrun", 0, {})]
+    for name, rank, extra in [*elastic, ("elastic-multinode", 1, RESTARTS_ENV)]:
+        stage = name.split("-")[1]
         args = [EPOCHS, 1, *global_batch_args(stage)]
-        for name, extra in ((f"elastic-{stage}", RESTARTS_ENV), (f"plain-{stage}", {})):
-            cwd = folder(name)
-            fault = {"FAULT_AT": f"kill:{rank}:2", "FAULT_ONCE": str(cwd / "killed")}
-            env = stage_env(**fault, **extra)
-            restarts = ("--max-restarts=1",)
-            runs.start(name, cwd, stage=stage, args=args, env=env, torchrun_args=restarts)
+        cwd = folder(name)
+        fault = {"FAULT_AT": f"kill:{rank}:2", "FAULT_ONCE": str(cwd / "killed")}
+        env = stage_env(**fault, **extra)
+        restarts = ("--max-restarts=1",)
+        runs.start(name, cwd, stage=stage, args=args, env=env, torchrun_args=restarts)
     # The same global batch (64) from micro-batches: test_stages.py.
-    accumulated = {"single_gpu": (16, 4, 1), "multigpu": (16, 2, 2), "multigpu_torchrun": (8, 4, 2)}
-    for stage, (batch, steps, _) in accumulated.items():
-        args = [EPOCHS, EPOCHS, "--batch_size", batch, "--grad_accum", steps]
-        runs.start(f"accumulate-{stage}", folder(f"accumulate-{stage}"), stage=stage, args=args)
+    args = [EPOCHS, EPOCHS, "--batch_size", 8, "--grad_accum", 4]  # 2 processes x 8 x 4
+    runs.start("accumulate", folder("accumulate"), stage="multigpu_torchrun", args=args)
     # The README's commands, run in order in one folder, as a user does (test_repository.py).
     runs.submit("readme", functools.partial(run_readme_commands, folder("readme")))
-    for stage in ("single_gpu", "multigpu_torchrun"):
-        args = [EPOCHS, EPOCHS, "--precision", "bf16"]
-        runs.start(f"bf16-{stage}", folder(f"bf16-{stage}"), stage=stage, args=args)
-    # --deterministic: 4 epochs straight, and the same stopped after epoch 2 and started again.
-    deterministic, resumed = folder("deterministic"), folder("deterministic-resumed")
-    args = [4, 2, "--deterministic"]
-    runs.start(
-        "deterministic",
-        deterministic,
-        stage="multigpu",
-        args=args,
-        env=stage_env(KEEP_SNAPSHOTS="1"),
-    )
-    copy = functools.partial(
-        shutil.copyfile, deterministic / "snapshot.pt.epoch2", resumed / "snapshot.pt"
-    )
-    runs.start(
-        "deterministic-resumed",
-        resumed,
-        after="deterministic",
-        prepare=copy,
-        stage="multigpu",
-        args=args,
-    )
+    args = [EPOCHS, EPOCHS, "--precision", "bf16"]
+    runs.start("bf16-single_gpu", folder("bf16-single_gpu"), stage="single_gpu", args=args)
     # The second save writes half a file, then the process is SIGKILLed; then the same folder,
-    # copied, starts again.
+    # copied, starts again. --deterministic: it changes nothing on the CPU, and resumes exactly.
     save, save_resume = folder("save"), folder("save-resume")
-    args = [EPOCHS, 1, "--batch_size", 64]
+    args = [EPOCHS, 1, "--batch_size", 64, "--deterministic"]
     runs.start("save", save, stage="single_gpu", args=args, env=stage_env(SAVE_KILL_AT="2"))
     copy = functools.partial(shutil.copytree, save, save_resume, dirs_exist_ok=True)
     runs.start(
@@ -482,16 +457,17 @@ def runs(tmp_path_factory):
         runs.start(name, cwd, stage=stage, args=[2, 1], env=env)
     for stage in ("multigpu", "multigpu_torchrun"):  # the launcher SIGKILLed (test_faults.py)
         cwd = folder(f"orphans-{stage}")
-        runs.submit(f"orphans-{stage}", functools.partial(kill_launcher_after, stage, 3, cwd))
-    # Two nodes without shared storage: node 0 has a snapshot, node 1 has none.
+        runs.submit(f"orphans-{stage}", functools.partial(kill_launcher_after, stage, 2, cwd))
+    # Two nodes without shared storage: node 0 has a snapshot, node 1 an unreadable one.
     nodes = folder("node0"), folder("node1")
     write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
+    write_bad_snapshot(nodes[1] / "snapshot.pt", "garbage")
     args = [4, 1, "--batch_size", 32]
     runs.start("apart", nodes[0], stage="multinode", args=args, node_cwds=nodes)
-    # Images from folders: drawn characters with default flags (about 280 optimizer steps); the
+    # Images from folders: drawn characters with default flags (about 230 optimizer steps); the
     # CIFAR-10 flags, and multigpu.py, on coloured squares.
     cwd = folder("glyphs")
-    make_glyph_tree(cwd / "data", train=150, val=30)
+    make_glyph_tree(cwd / "data", train=120, val=30)
     runs.start("glyphs", cwd, stage="single_gpu", args=[6, 6, "--data_dir", cwd / "data"])
     cwd = folder("images")
     make_image_tree(cwd / "data")
@@ -502,32 +478,22 @@ def runs(tmp_path_factory):
     cifar = ["--arch", "resnet18", "--augment", "crop+flip", "--batch_size", 16]
     args = [2, 2, "--data_dir", cwd / "data", *cifar]
     runs.start("cifar-flags", cwd, stage="single_gpu", args=args)
-    # Snapshots that differ between two nodes: one of them unreadable.
-    nodes = folder("apart-unreadable-node0"), folder("apart-unreadable-node1")
-    write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
-    write_bad_snapshot(nodes[1] / "snapshot.pt", "garbage")
-    args = [4, 1, "--batch_size", 32]
-    runs.start("apart-unreadable", nodes[0], stage="multinode", args=args, node_cwds=nodes)
-    # A user's atexit handler and unflushed print in every process, output not a terminal.
-    for stage in STAGES[1:]:
-        cwd = folder(f"exit-hooks-{stage}")
-        env = stage_env(EXIT_HOOKS=str(cwd))
+    # At exit (test_faults.py; the torchrun stages end alike): a user's atexit handler and
+    # unflushed print in every process, output not a terminal; 2 loader workers, which must have
+    # ended before the exit functions start. multinode.py's two nodes meet at an IPv6 address.
+    for stage in ("single_gpu", "multigpu", "multinode"):
+        cwd = folder(f"exit-{stage}")
+        env = stage_env(EXIT_HOOKS=str(cwd), EXIT_WORKERS=str(cwd))
         env.pop("PYTHONUNBUFFERED")
-        runs.start(f"exit-hooks-{stage}", cwd, stage=stage, args=flags, env=env)
-    # Loader workers that must have ended before the exit functions start (test_faults.py).
-    for stage in STAGES[:2]:  # the torchrun stages end as multigpu.py does
-        cwd = folder(f"exit-workers-{stage}")
-        env = stage_env(EXIT_WORKERS=str(cwd))
+        host = "[::1]" if stage == "multinode" else "127.0.0.1"
         args = [*flags, "--workers", 2]
-        runs.start(f"exit-workers-{stage}", cwd, stage=stage, args=args, env=env)
-    # The legacy launcher; two "nodes" that meet at an IPv6 address (test_stages.py).
+        runs.start(f"exit-{stage}", cwd, stage=stage, args=args, env=env, host=host)
+    # The legacy launcher (test_stages.py).
     if importlib.util.find_spec("torch.distributed.launch"):  # deprecated since torch 1.9
         legacy = {"launcher": LEGACY_LAUNCHER}
         runs.start("legacy", folder("legacy"), stage="multigpu_torchrun", args=[1, 1], **legacy)
-    args = [1, 1, "--batch_size", 32]
-    runs.start("ipv6", folder("ipv6"), stage="multinode", args=args, host="[::1]")
-    # The second snapshot cannot be written: a full disk (test_faults.py).
-    for stage in STAGES:
+    # The second snapshot cannot be written: a full disk (test_faults.py; torchrun: as multinode).
+    for stage in ("single_gpu", "multigpu", "multinode"):
         env = stage_env(FAULT_SAVE="full", FAULT_SAVE_FROM="2")
         runs.start(
             f"disk-full-{stage}", folder(f"disk-full-{stage}"), stage=stage, args=[2, 1], env=env

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import DEAD_RANKS, EPOCHS, STAGES, assert_bitwise_equal, load, processes_in
+from conftest import DEAD_RANKS, EPOCHS, assert_bitwise_equal, load, processes_in
 
 
 @pytest.mark.parametrize("name", DEAD_RANKS)
@@ -17,7 +17,7 @@ def test_a_dead_rank_ends_the_job(runs, name):
 
 def test_crash_while_saving_keeps_the_previous_snapshot(reference_runs, runs):
     """snapshot.pt still holds epoch 1, loads, and a restart from it ends with the uninterrupted
-    run's model."""
+    run's model, bit for bit (--deterministic)."""
     cwd, run = runs["save"]
     assert run.returncode == -9, run.output
     assert load(cwd / "snapshot.pt")["epoch"] == 1
@@ -37,15 +37,15 @@ def test_ranks_that_see_different_snapshots_stop_together(runs):
         run.returncode != 0
         and "error: ranks resume from different snapshots: share snapshot.pt" in run.output
     ), run.output
-    assert "Epoch" not in run.output and not (cwd.parent / "node1" / "snapshot.pt").exists()
-    assert load(cwd / "snapshot.pt")["epoch"] == 2
+    assert "Epoch" not in run.output and load(cwd / "snapshot.pt")["epoch"] == 2
+    node1 = cwd.parent / cwd.name.replace("node0", "node1")  # pytest numbers both: node00, node10
+    assert (node1 / "snapshot.pt").read_bytes().startswith(b"this is not")
 
 
-@pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
-def test_restarts_without_the_variable_stop_before_any_work(runs, stage):
+def test_restarts_without_the_variable_stop_before_any_work(runs):
     """torchrun --max-restarts=1 as most tutorials show it: rather than fail or hang after the
     kill, every worker stops at start with the line that says what to set."""
-    cwd, run = runs[f"plain-{stage}"]
+    cwd, run = runs["plain-multigpu_torchrun"]  # multinode.py checks alike: test_errors.py
     assert run.returncode != 0 and "Epoch" not in run.output, run.output
     assert "error: with --max-restarts, run TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in run.output
     # Two starts (the restart too) on a loaded machine; a hang would last until a timeout.
@@ -54,20 +54,20 @@ def test_restarts_without_the_variable_stop_before_any_work(runs, stage):
 
 @pytest.mark.parametrize("stage", ["multigpu", "multigpu_torchrun"])
 def test_workers_stop_when_their_launcher_dies(runs, stage):
-    """The launcher (python multigpu.py, or torchrun) SIGKILLed after epoch 3 of 400: every
+    """The launcher (python multigpu.py, or torchrun) SIGKILLed after epoch 2 of 400: every
     worker stops within seconds, and the last snapshot is whole."""
     result = runs[f"orphans-{stage}"]
-    assert "Epoch 3 " in result["output"], result["output"]
+    assert "Epoch 2 " in result["output"], result["output"]
     assert result["gone"] is not None and result["gone"] < 10, result
-    snapshot = load(result["cwd"] / "snapshot.pt")  # epoch 3's, or epoch 2's if killed while saving
-    assert 2 <= snapshot["epoch"] < 400 and snapshot["model"]
+    snapshot = load(result["cwd"] / "snapshot.pt")  # epoch 2's, or epoch 1's if killed while saving
+    assert 1 <= snapshot["epoch"] < 400 and snapshot["model"]
 
 
-@pytest.mark.parametrize("stage", STAGES[1:])
+@pytest.mark.parametrize("stage", ["multigpu", "multinode"])  # torchrun's stages end alike
 def test_user_exit_code_runs_in_every_process(runs, stage):
     """An atexit handler and an unflushed print, as a user adds them, with stdout not a terminal:
     every process that printed also ran its handler, the workers included."""
-    cwd, run = runs[f"exit-hooks-{stage}"]
+    cwd, run = runs[f"exit-{stage}"]
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
     printed = set(re.findall(r"unflushed line from (\d+)\n", run.output))  # lines may interleave
     handled = {path.name.split("-")[1] for path in cwd.glob("atexit-*")}
@@ -75,12 +75,12 @@ def test_user_exit_code_runs_in_every_process(runs, stage):
     assert len(printed) >= workers + 1 and printed == handled, (printed, handled, run.output)
 
 
-@pytest.mark.parametrize("stage", STAGES[:2])
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu", "multinode"])
 def test_loader_workers_end_before_the_exit_functions(runs, stage):
     """--workers 2: no loader worker is alive when a training process's exit functions start
     (torch before 2.13 joins each for up to 5 s there), and the job ends within seconds of them
     (10 s: the suite runs 3 jobs a core)."""
-    cwd, run = runs[f"exit-workers-{stage}"]
+    cwd, run = runs[f"exit-{stage}"]
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
     counts = [path.read_text().split() for path in cwd.glob("workers-*")]
     assert len(counts) == (1 if stage == "single_gpu" else 2), (counts, run.output)
@@ -91,13 +91,13 @@ def test_loader_workers_end_before_the_exit_functions(runs, stage):
 def test_ranks_that_load_different_files_stop_at_once(runs):
     """A file that one rank cannot read: one error line for the job, nobody trains, and no rank
     waits for another until a timeout."""
-    cwd, run = runs["apart-unreadable"]
+    cwd, run = runs["apart"]  # node 1's snapshot is unreadable
     assert run.returncode != 0 and run.output.count("error: ") == 1, run.output
     assert "different snapshots" in run.output and "Epoch" not in run.output, run.output
     assert run.seconds < 60, run.output
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu", "multinode"])
 def test_a_snapshot_that_cannot_be_written_ends_the_job(runs, stage):
     """The second save meets a full disk: one error line for the job, a failing exit code, every
     process ended, the first snapshot intact, no temporary file."""
