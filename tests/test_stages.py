@@ -214,8 +214,8 @@ def test_more_processes_than_gpus_are_refused(monkeypatch, stage, gpus, processe
 
 
 def test_flags_as_the_walkthroughs_write_them(runs):
-    """--total_epochs 1 --save_every 1 in every stage (the exit-hooks and exit-workers runs): it
-    trains, where Python 3.10 and 3.11 refused the flags of a positional's pair."""
+    """--total_epochs 1 --save_every 1 (the exit runs; multigpu_torchrun.py parses as multinode.py
+    does): it trains, where Python 3.10 and 3.11 refused the flags of a positional's pair."""
     names = ["exit-single_gpu", "exit-multigpu", "exit-multinode"]  # torchrun: as multinode.py
     for name in names:
         run = runs[name][1]
