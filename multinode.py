@@ -195,9 +195,9 @@ class Trainer:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
             saved = save_snapshot(self.args.snapshot_path, snapshot)
-        saved = torch.tensor(int(saved))
-        dist.all_reduce(saved, dist.ReduceOp.MIN, self.cpu_group)  # the others wait for the write
-        return saved
+        done = torch.tensor(int(saved))
+        dist.all_reduce(done, dist.ReduceOp.MIN, self.cpu_group)  # the others wait for the write
+        return bool(done)
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         source = source.to(self.device, non_blocking=True)
