@@ -414,16 +414,14 @@ def runs(tmp_path_factory):
         env = stage_env(KEEP_SNAPSHOTS="1", RECORD_DIR=str(cwd / "record"))
         args = [EPOCHS, 1, *global_batch_args(stage)]
         runs.start(f"reference-{stage}", cwd, stage=stage, args=args, env=env)
-    flags = ["--total_epochs", 1, "--save_every", 1]  # the form of the walkthroughs: test_stages.py
-    # multinode.py's snapshot of epoch 2 resumed in single_gpu.py.
-    cwd = folder("cross")
-    copy = functools.partial(
-        shutil.copyfile, references["multinode"] / "snapshot.pt.epoch2", cwd / "snapshot.pt"
-    )
-    args = [EPOCHS, 1, *global_batch_args("single_gpu")]
-    runs.start(
-        "cross", cwd, after="reference-multinode", prepare=copy, stage="single_gpu", args=args
-    )
+    # The longest runs next, so that none is left alone at the end. The README's commands, run in
+    # order in one folder, as a user does (test_repository.py).
+    runs.submit("readme", functools.partial(run_readme_commands, folder("readme")))
+    # Drawn characters with default flags (about 230 optimizer steps): test_stages.py.
+    cwd = folder("glyphs")
+    glyphs = functools.partial(make_glyph_tree, cwd / "data", train=120, val=30)
+    args = [6, 6, "--data_dir", cwd / "data"]
+    runs.start("glyphs", cwd, prepare=glyphs, stage="single_gpu", args=args)
     # A worker SIGKILLed in epoch 3 (test_stages.py); the same, started as most tutorials show it
     # (test_faults.py; multinode.py checks the variable as multigpu_torchrun.py does).
     elastic = [("elastic-multigpu_torchrun", 0, RESTARTS_ENV), ("plain-multigpu_torchrun", 0, {})]
@@ -435,13 +433,21 @@ def runs(tmp_path_factory):
         env = stage_env(**fault, **extra)
         restarts = ("--max-restarts=1",)
         runs.start(name, cwd, stage=stage, args=args, env=env, torchrun_args=restarts)
-    # The same global batch (64) from micro-batches: test_stages.py.
+    # The same global batch (64) from micro-batches, started by the legacy launcher where this
+    # torch still has it (deprecated since torch 1.9): test_stages.py.
     args = [EPOCHS, EPOCHS, "--batch_size", 8, "--grad_accum", 4]  # 2 processes x 8 x 4
-    runs.start("accumulate", folder("accumulate"), stage="multigpu_torchrun", args=args)
-    # The README's commands, run in order in one folder, as a user does (test_repository.py).
-    runs.submit("readme", functools.partial(run_readme_commands, folder("readme")))
-    args = [EPOCHS, EPOCHS, "--precision", "bf16"]
-    runs.start("bf16-single_gpu", folder("bf16-single_gpu"), stage="single_gpu", args=args)
+    launcher = LEGACY_LAUNCHER if importlib.util.find_spec("torch.distributed.launch") else None
+    cwd = folder("accumulate")
+    runs.start("accumulate", cwd, stage="multigpu_torchrun", args=args, launcher=launcher)
+    # multinode.py's snapshot of epoch 2 resumed in single_gpu.py.
+    cwd = folder("cross")
+    copy = functools.partial(
+        shutil.copyfile, references["multinode"] / "snapshot.pt.epoch2", cwd / "snapshot.pt"
+    )
+    args = [EPOCHS, 1, *global_batch_args("single_gpu")]
+    runs.start(
+        "cross", cwd, after="reference-multinode", prepare=copy, stage="single_gpu", args=args
+    )
     # The second save writes half a file, then the process is SIGKILLed; then the same folder,
     # copied, starts again. --deterministic: it changes nothing on the CPU, and resumes exactly.
     save, save_resume = folder("save"), folder("save-resume")
@@ -464,36 +470,33 @@ def runs(tmp_path_factory):
     write_bad_snapshot(nodes[1] / "snapshot.pt", "garbage")
     args = [4, 1, "--batch_size", 32]
     runs.start("apart", nodes[0], stage="multinode", args=args, node_cwds=nodes)
-    # Images from folders: drawn characters with default flags (about 230 optimizer steps); the
-    # CIFAR-10 flags, and multigpu.py, on coloured squares.
-    cwd = folder("glyphs")
-    make_glyph_tree(cwd / "data", train=120, val=30)
-    runs.start("glyphs", cwd, stage="single_gpu", args=[6, 6, "--data_dir", cwd / "data"])
+    # Flags as the walkthroughs write them, 2 loader workers, and at exit (test_faults.py; the
+    # torchrun stages end alike): a user's atexit handler and unflushed print in every process,
+    # output not a terminal; the loader workers must have ended before the exit functions start.
+    # single_gpu.py in bf16; multigpu.py on a folder of PNGs; multinode.py's nodes meet at [::1].
     cwd = folder("images")
     make_image_tree(cwd / "data")
-    args = [4, 4, "--data_dir", cwd / "data", "--batch_size", 8]
-    runs.start("images", cwd, stage="multigpu", args=args)
+    exit_runs = {
+        "single_gpu": [EPOCHS, "--precision", "bf16"],
+        "multigpu": [4, "--data_dir", cwd / "data", "--batch_size", 8],
+        "multinode": [1],
+    }
+    for stage, (epochs, *more) in exit_runs.items():
+        cwd = folder(f"exit-{stage}")
+        env = stage_env(EXIT_HOOKS=str(cwd), EXIT_WORKERS=str(cwd))
+        env.pop("PYTHONUNBUFFERED")
+        host = "[::1]" if stage == "multinode" else "127.0.0.1"
+        args = ["--total_epochs", epochs, "--save_every", epochs, "--workers", 2, *more]
+        runs.start(f"exit-{stage}", cwd, stage=stage, args=args, env=env, host=host)
+    # The CIFAR-10 flags on coloured squares.
     cwd = folder("cifar-flags")
     make_image_tree(cwd / "data")
     cifar = ["--arch", "resnet18", "--augment", "crop+flip", "--batch_size", 16]
     args = [2, 2, "--data_dir", cwd / "data", *cifar]
     runs.start("cifar-flags", cwd, stage="single_gpu", args=args)
-    # At exit (test_faults.py; the torchrun stages end alike): a user's atexit handler and
-    # unflushed print in every process, output not a terminal; 2 loader workers, which must have
-    # ended before the exit functions start. multinode.py's two nodes meet at an IPv6 address.
-    for stage in ("single_gpu", "multigpu", "multinode"):
-        cwd = folder(f"exit-{stage}")
-        env = stage_env(EXIT_HOOKS=str(cwd), EXIT_WORKERS=str(cwd))
-        env.pop("PYTHONUNBUFFERED")
-        host = "[::1]" if stage == "multinode" else "127.0.0.1"
-        args = [*flags, "--workers", 2]
-        runs.start(f"exit-{stage}", cwd, stage=stage, args=args, env=env, host=host)
-    # The legacy launcher (test_stages.py).
-    if importlib.util.find_spec("torch.distributed.launch"):  # deprecated since torch 1.9
-        legacy = {"launcher": LEGACY_LAUNCHER}
-        runs.start("legacy", folder("legacy"), stage="multigpu_torchrun", args=[1, 1], **legacy)
-    # The second snapshot cannot be written: a full disk (test_faults.py; torchrun: as multinode).
-    for stage in ("single_gpu", "multigpu", "multinode"):
+    # The second snapshot cannot be written: a full disk (test_faults.py; the other distributed
+    # stages share multinode.py's lines).
+    for stage in ("single_gpu", "multinode"):
         env = stage_env(FAULT_SAVE="full", FAULT_SAVE_FROM="2")
         runs.start(
             f"disk-full-{stage}", folder(f"disk-full-{stage}"), stage=stage, args=[2, 1], env=env

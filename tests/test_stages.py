@@ -64,7 +64,7 @@ def test_gradient_accumulation_gives_the_same_model(reference_runs, runs):
 
 
 def test_bf16_learns(runs):
-    run = runs["bf16-single_gpu"][1]
+    run = runs["exit-single_gpu"][1]  # --precision bf16, on the built-in data
     assert run.returncode == 0 and run.epochs()[-1][2] >= 0.9, run.output
     assert "Warning" not in run.output and "Traceback" not in run.output, run.output
 
@@ -124,7 +124,7 @@ def test_learns_characters_with_default_flags(runs):
 
 
 def test_distributed_stage_trains_on_an_image_folder(runs):
-    run = runs["images"][1]
+    run = runs["exit-multigpu"][1]  # with 2 loader workers a process
     assert run.returncode == 0, run.output
     epochs = run.epochs()
     assert len(epochs) == 4 and epochs[-1][1] < epochs[0][1] and epochs[-1][2] >= 0.9, run.output
@@ -214,22 +214,23 @@ def test_more_processes_than_gpus_are_refused(monkeypatch, stage, gpus, processe
 
 
 def test_flags_as_the_walkthroughs_write_them(runs):
-    """--total_epochs 1 --save_every 1 (the exit runs; multigpu_torchrun.py parses as multinode.py
-    does): it trains, where Python 3.10 and 3.11 refused the flags of a positional's pair."""
-    names = ["exit-single_gpu", "exit-multigpu", "exit-multinode"]  # torchrun: as multinode.py
-    for name in names:
+    """--total_epochs N --save_every N (the exit runs; multigpu_torchrun.py parses as multinode.py
+    does): it trains N epochs, where Python 3.10 and 3.11 refused the flags of a positional's
+    pair."""
+    for name, epochs in [("exit-single_gpu", EPOCHS), ("exit-multigpu", 4), ("exit-multinode", 1)]:
         run = runs[name][1]
-        assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], (name, run.output)
+        assert run.returncode == 0, (name, run.output)
+        assert [e[0] for e in run.epochs()] == list(range(1, epochs + 1)), (name, run.output)
 
 
 def test_the_legacy_launcher_trains(runs):
-    """python -m torch.distributed.launch --nproc_per_node=2: --local-rank=N, then training.
-    (A torch without the module has nothing to run; test_errors.py checks the flag itself.)"""
-    if "legacy" not in runs.futures:
-        assert importlib.util.find_spec("torch.distributed.launch") is None
+    """python -m torch.distributed.launch --nproc_per_node=2 (the accumulation run): --local-rank=N,
+    then training. (A torch without the module has nothing to run; test_errors.py checks the flag
+    itself.)"""
+    if importlib.util.find_spec("torch.distributed.launch") is None:
         return
-    run = runs["legacy"][1]
-    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
+    run = runs["accumulate"][1]
+    assert run.returncode == 0 and len(run.epochs()) == EPOCHS, run.output
     assert "unrecognized arguments" not in run.output, run.output
 
 
