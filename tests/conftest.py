@@ -192,9 +192,9 @@ class Runs:
     deterministic). At most 3 per core at once, in the order started. A run that starts from
     another's files starts as soon as that one ends, ahead of the queue. runs[name] waits for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_core: float = 3) -> None:
         self.pool = ThreadPoolExecutor(max_workers=64)  # a thread per run: most wait for a process
-        self.slots = threading.Semaphore(3 * (os.cpu_count() or 1))
+        self.slots = threading.Semaphore(max(1, int(per_core * (os.cpu_count() or 1))))
         self.futures = {}
 
     def submit(self, name: str, job, after: str | None = None) -> None:
@@ -219,6 +219,10 @@ class Runs:
 
     def __getitem__(self, name: str):
         return self.futures[name].result()
+
+    def wait_all(self) -> None:
+        for future in list(self.futures.values()):
+            future.exception()
 
 
 def global_batch_args(stage: str) -> list:
@@ -512,6 +516,27 @@ def runs(tmp_path_factory):
     runs.pool.shutdown()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def slow_runs(request, tmp_path_factory):
+    """The slow suite's launches: each module with a selected slow test queues its own
+    (`queue_slow_runs`) as the session starts, so that they share the cores with the Slurm jobs.
+    1.5 a core: the stops they time must not wait long for a core. {name: result} (see Runs)."""
+    runs = Runs(per_core=1.5)
+    modules = {item.module for item in request.session.items if item.get_closest_marker("slow")}
+    for module in sorted(modules, key=lambda m: (m.__name__ != "test_slurm", m.__name__)):
+        if hasattr(module, "queue_slow_runs"):
+            module.queue_slow_runs(runs, tmp_path_factory.mktemp(module.__name__))
+    yield runs
+    runs.pool.shutdown(cancel_futures=True)
+
+
+def pytest_collection_modifyitems(items):
+    """The Slurm tests first (their jobs run one after another: the longest chain); last, once
+    every other launch has ended, the time-limit jobs and then the speed measures."""
+    items.sort(key=lambda item: (item.get_closest_marker("quiet") is not None,
+                                 item.module.__name__ != "test_slurm"))  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def reference_runs(runs) -> dict:
     """{stage: (folder, Run)} of the four reference runs."""
@@ -549,7 +574,7 @@ def _slurm_in_background(request):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _slurm(background) -> tuple:
+def slurm_futures(background) -> tuple:
     """(cluster, jobs) futures; skipped (in CI: failed) without Slurm or root."""
     if isinstance(background, str):
         if os.environ.get("CI") == "true":
@@ -561,13 +586,13 @@ def _slurm(background) -> tuple:
 @pytest.fixture
 def slurm_jobs(_slurm_in_background) -> dict:
     """{stage: (folder, sbatch result, job log)} of the four batch files, run with 1 1."""
-    return _slurm(_slurm_in_background)[1].result()
+    return slurm_futures(_slurm_in_background)[1].result()
 
 
 @pytest.fixture
 def slurm_env(_slurm_in_background) -> dict:
     """The environment in which Slurm's commands reach the test cluster."""
-    return _slurm(_slurm_in_background)[0].result()
+    return slurm_futures(_slurm_in_background)[0].result()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -4,11 +4,21 @@ ones: jobs that a time limit or a preemption stops, and that requeue themselves.
 
 import functools
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import EPOCH_LINE, EPOCHS, STAGES, assert_bitwise_equal, launch, load, max_param_diff
+from conftest import (
+    EPOCH_LINE,
+    EPOCHS,
+    STAGES,
+    assert_bitwise_equal,
+    launch,
+    load,
+    max_param_diff,
+    slurm_futures,
+)
 from slurm_cluster import copy_repo, follow
 
 
@@ -31,52 +41,51 @@ def epochs_of(log: str) -> list:
     return [(int(e), loss, acc, lr) for e, loss, acc, lr, *_ in EPOCH_LINE.findall(text)]
 
 
-@functools.cache
-def uninterrupted(root: Path, *args) -> tuple:
-    """multinode.py on two local "nodes", one process each, never stopped: (snapshot, epochs)."""
-    cwd = root / f"uninterrupted-{abs(hash(args))}"
+UNINTERRUPTED = {  # multinode.py on two local "nodes", one process each, never stopped
+    "time-limit": [30, 10, "--batch_size", 4],
+    "preempted": [6, 3, "--batch_size", 8],
+    "srun": [EPOCHS, 1, "--batch_size", 32],  # the global batch of 2 x 2 srun tasks x 16
+}
+
+
+def uninterrupted(args: list, cwd: Path) -> tuple:
+    """(snapshot, epochs) of a run that nothing stops."""
     cwd.mkdir()
-    run = launch("multinode", list(args), cwd, timeout=900)
+    run = launch("multinode", args, cwd, timeout=900)
     assert run.returncode == 0, run.output
     return load(cwd / "snapshot.pt"), epochs_of(run.output)
 
 
+def queue_slow_runs(runs, root: Path) -> None:
+    """The runs the Slurm jobs are compared with, while the first jobs run."""
+    for name, args in UNINTERRUPTED.items():
+        runs.submit(f"slurm-{name}", functools.partial(uninterrupted, args, root / name))
+
+
 def assert_requeued_and_finished(
-    finished: dict, cwd: Path, args: list, snapshot: str = "snapshot.pt", reference=None
+    finished: dict, cwd: Path, reference: tuple, snapshot: str = "snapshot.pt"
 ) -> None:
     log = finished["log"]
     assert finished["ended"] == "COMPLETED", finished["state"] + log  # the batch file exited 0
     assert "start 2 (requeued 1 times)" in log and "requeued to go on" in log, log
-    assert log.count("stopped in epoch") == log.count("requeued to go on"), log
-    reference = reference or uninterrupted(cwd.parent, *args)
+    last = f"Epoch {reference[1][-1][0]} |"
+    for start in log.split(", start ")[1:]:  # a requeue follows a stop line, or a signal that
+        if "requeued to go on" in start:  # came as the run ended (the next start trains nothing)
+            assert "stopped in epoch" in start or last in start, log
     assert epochs_of(log) == reference[1], log  # every epoch once, the stopped ones included
     assert_bitwise_equal(load(cwd / snapshot), reference[0])
 
 
 @pytest.mark.slow
-def test_time_limit_warns_saves_and_requeues(slurm_env, tmp_path):
-    """A time limit (1 minute) shorter than the run: warned 45 s before it (the file asks for 120
-    s), the run stops after a step, the job requeues itself, and so on until the run ends."""
-    cwd = tmp_path / "repo"
-    copy_repo(cwd)
-    args = [30, 10, "--batch_size", 4]
-    sbatch = ["--time=1", "--signal=B:USR1@45", "slurm/multinode.sh", *args]
-    finished = follow(slurm_env, cwd, sbatch)
-    assert_requeued_and_finished(finished, cwd, args)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("snapshot", ["snapshot.pt", "experiment.pt"])
-def test_preempted_job_requeues_itself(slurm_env, tmp_path, snapshot):
+def test_preempted_job_requeues_itself(slurm_env, slow_runs, tmp_path):
     """SIGTERM to every process of the job's steps, as a preemption with a grace time sends it
-    (scancel --signal=TERM), once epoch 2 is logged; no time limit in the way. With
-    --snapshot_path among the job's arguments too: the batch file watches that file."""
+    (scancel --signal=TERM), once epoch 2 is logged; no time limit in the way. --snapshot_path
+    among the job's arguments: the batch file watches that file (the time-limit jobs: the
+    default one)."""
     cwd = tmp_path / "repo"
     copy_repo(cwd)
-    args = [6, 3, "--batch_size", 8]
-    reference = uninterrupted(tmp_path, *args)
-    if snapshot != "snapshot.pt":
-        args += [f"--snapshot_path={snapshot}"]
+    snapshot = "experiment.pt"
+    args = [*UNINTERRUPTED["preempted"], f"--snapshot_path={snapshot}"]
     sent = []
 
     def preempt(job: str, log: str) -> None:
@@ -85,7 +94,7 @@ def test_preempted_job_requeues_itself(slurm_env, tmp_path, snapshot):
 
     finished = follow(slurm_env, cwd, ["slurm/multinode.sh", *args], during=preempt)
     assert sent, finished["log"]
-    assert_requeued_and_finished(finished, cwd, args, snapshot, reference)
+    assert_requeued_and_finished(finished, cwd, slow_runs["slurm-preempted"], snapshot)
 
 
 @pytest.mark.slow
@@ -117,7 +126,7 @@ def srun_job(slurm_env, root: Path, name: str, args: list, sbatch=(), tasks: int
 
 
 @pytest.mark.slow
-def test_srun_tasks_train_as_torchrun_does(slurm_env, tmp_path):
+def test_srun_tasks_train_as_torchrun_does(slurm_env, slow_runs, tmp_path):
     """Four srun tasks (2 nodes x 2) x 16 train the model that two torchrun nodes x 32 train:
     global batch 64 either way; one log, every epoch once."""
     args = [EPOCHS, 1, "--batch_size", 16]
@@ -126,20 +135,45 @@ def test_srun_tasks_train_as_torchrun_does(slurm_env, tmp_path):
     assert finished["ended"] == "COMPLETED", finished["state"] + log
     assert "start 1 (requeued 0 times)" in log and "Traceback" not in log, log
     assert [e[0] for e in epochs_of(log)] == list(range(1, EPOCHS + 1)), log
-    reference, _ = uninterrupted(tmp_path, EPOCHS, 1, "--batch_size", 32)
+    reference, _ = slow_runs["slurm-srun"]
     assert max_param_diff(load(cwd / "snapshot.pt"), reference) <= 1e-4
 
 
+@pytest.fixture(scope="module")
+def time_limit_jobs(_slurm_in_background, slow_runs, tmp_path_factory):
+    """slurm/multinode.sh and slurm/multinode_srun.sh under a 1-minute limit, warned 30 s before
+    it, side by side once every other launch has ended (a start on a loaded machine can outlast
+    the warning): {name: (folder, follow's result)}."""
+    slurm_env = slurm_futures(_slurm_in_background)[0].result()
+    slow_runs.wait_all()
+    batch_files = {"torchrun": "slurm/multinode.sh", "srun": "slurm/multinode_srun.sh"}
+    folders = {name: tmp_path_factory.mktemp(f"time-limit-{name}") / "repo" for name in batch_files}
+    with ThreadPoolExecutor(max_workers=len(batch_files)) as pool:
+        jobs = {}
+        for name, batch_file in batch_files.items():
+            copy_repo(folders[name])
+            tasks = ["--ntasks-per-node=1"] if name == "srun" else []  # exact resumes: README
+            sbatch = ["--time=1", "--signal=B:USR1@30", *tasks, batch_file]
+            args = [*sbatch, *UNINTERRUPTED["time-limit"]]
+            jobs[name] = pool.submit(follow, slurm_env, folders[name], args)
+        yield {name: (folders[name], job.result()) for name, job in jobs.items()}
+
+
 @pytest.mark.slow
-def test_srun_job_warned_before_its_time_limit_requeues_itself(slurm_env, tmp_path):
-    """multinode_srun.sh under a 1-minute limit, warned 45 s before it: every task stops after a
-    step, rank 0 saves, the job requeues itself until the run ends, bit for bit where the same
-    job ends without a time limit. One task per node: with more than two processes a resume is
-    exact to rounding only (README, Snapshots)."""
-    args = [30, 10, "--batch_size", 4]
-    sbatch = ["--time=1", "--signal=B:USR1@45"]
-    cwd, finished = srun_job(slurm_env, tmp_path, "srun-limited", args, sbatch, tasks=1)
-    straight, uninterrupted = srun_job(slurm_env, tmp_path, "srun-straight", args, tasks=1)
-    assert uninterrupted["ended"] == "COMPLETED", uninterrupted["log"]
-    reference = load(straight / "snapshot.pt"), epochs_of(uninterrupted["log"])
-    assert_requeued_and_finished(finished, cwd, args, reference=reference)
+@pytest.mark.quiet
+def test_time_limit_warns_saves_and_requeues(time_limit_jobs, slow_runs):
+    """A time limit (1 minute) shorter than the run: warned 30 s before it (the file asks for 120
+    s), the run stops after a step, the job requeues itself, and so on until the run ends."""
+    cwd, finished = time_limit_jobs["torchrun"]
+    assert_requeued_and_finished(finished, cwd, slow_runs["slurm-time-limit"])
+
+
+@pytest.mark.slow
+@pytest.mark.quiet
+def test_srun_job_warned_before_its_time_limit_requeues_itself(time_limit_jobs, slow_runs):
+    """multinode_srun.sh, one task per node, likewise: every task stops after a step, rank 0
+    saves, the job requeues itself until the run ends, bit for bit where two torchrun nodes end
+    without a time limit (the same two ranks, one a node; with more than two processes a resume
+    is exact to rounding only: README, Snapshots)."""
+    cwd, finished = time_limit_jobs["srun"]
+    assert_requeued_and_finished(finished, cwd, slow_runs["slurm-time-limit"])

@@ -1,12 +1,14 @@
 """Stop signals (python -m pytest -m slow): a run stopped in the middle of an epoch saves where it
 stands, says so in one line, and, started again, ends bit for bit where an uninterrupted run ends,
-with the same lines per epoch."""
+with the same lines per epoch. Every run of this file is queued as the session starts
+(queue_slow_runs); the tests read what the runs left."""
 
 import contextlib
 import functools
 import os
 import queue
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ from conftest import (
     EPOCHS,
     STAGES,
     Run,
+    Runs,
     assert_bitwise_equal,
     end_processes_in,
     global_batch_args,
@@ -31,6 +34,7 @@ STOP_LINE = "stopped in epoch"
 CASES = [(stage, "SIGTERM") for stage in STAGES]  # a launcher each: python, spawn, torchrun x 1, 2
 CASES += [(stage, "SIGINT") for stage in ("single_gpu", "multigpu", "multinode")]  # Ctrl-C
 CASES += [(stage, "SIGUSR1") for stage in ("single_gpu", "multigpu")]  # torchrun: README
+EPOCH_END = {"single_gpu": 48, "multigpu": 24}  # 640 = 13 x 48 + 16: the last step is short
 
 
 def stop_after(
@@ -73,131 +77,35 @@ def stop_after(
     return {"codes": codes, "seconds": seconds, "output": "".join(lines.queue)}
 
 
-@functools.cache
-def uninterrupted(stage: str, root: Path, *args) -> tuple:
+def uninterrupted(stage: str, args: list, cwd: Path) -> tuple:
     """The same run, never stopped: (snapshot, its per-epoch lines)."""
-    cwd = root / f"uninterrupted-{stage}-{abs(hash(args))}"
     cwd.mkdir()
-    run = launch(stage, list(args), cwd, timeout=600)
+    run = launch(stage, args, cwd, timeout=600)
     assert run.returncode == 0, run.output
     return load(cwd / "snapshot.pt"), [epoch[:5] for epoch in run.epochs()]
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("stops")
-
-
-def stop_and_resume(stage: str, args: list, cwd: Path, name: str, every: bool = False) -> tuple:
-    """Stopped by signal `name` in epoch 2, then run again to the end: (stopped, resumed run)."""
-    stopped = stop_after(stage, args, cwd, signal.Signals[name], every=every)
-    stopped["snapshot"] = load(cwd / "snapshot.pt")
+def stopped_then_resumed(
+    stage: str, args: list, cwd: Path, name: str = "", every: bool = False, **faults: str
+) -> tuple:
+    """Stopped by signal `name` in epoch 2 (see stop_after), or by what `faults` do (tests/faults),
+    then started again to its end: ({"output", "codes", "cwd", "snapshot" and "left" (temporary
+    files) as the stop left them, "seconds" from a signal to the exit}, the resumed Run)."""
+    cwd.mkdir()
+    if name:
+        stopped = stop_after(stage, args, cwd, signal.Signals[name], every=every)
+    else:
+        run = launch(stage, args, cwd, env=stage_env(**faults), timeout=600)
+        stopped = {"codes": [run.returncode], "output": run.output}
+    stopped.update(cwd=cwd, snapshot=load(cwd / "snapshot.pt"), left=list(cwd.glob("*.tmp")))
     return stopped, launch(stage, args, cwd, timeout=600)
 
 
-def assert_stopped_cleanly(stopped: dict, name: str) -> None:
-    output = stopped["output"]
-    assert all(code != 0 for code in stopped["codes"]), output  # not finished: not a success
-    assert stopped["seconds"] < 30, output  # within a Slurm KillWait or a Kubernetes grace
-    ours = [line for line in output.splitlines() if STOP_LINE in line]
-    assert len(ours) == 1 and ours[0].startswith(f"{name}: stopped in epoch "), output
-    assert "Traceback" not in output or "SignalException" in output, output  # torchrun's own
-    snapshot = stopped["snapshot"]
-    assert snapshot["samples"] > 0, snapshot["samples"]  # inside an epoch, not at its start
-    assert f"stopped in epoch {snapshot['epoch'] + 1} after {snapshot['samples']} " in ours[0]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("stage", "name"), CASES)
-def test_stopped_run_resumes_bit_for_bit(root, stage, name):
-    args = [EPOCHS, 1, *global_batch_args(stage)]
-    cwd = root / f"{stage}-{name}"
-    cwd.mkdir()
-    stopped, resumed = stop_and_resume(stage, args, cwd, name)
-    assert_stopped_cleanly(stopped, name)
-    assert resumed.returncode == 0, resumed.output
-    reference, lines = uninterrupted(stage, root, *args)
-    assert_bitwise_equal(load(cwd / "snapshot.pt"), reference)
-    logged = [e[:5] for e in Run(0, stopped["output"], 0).epochs()] + [
-        e[:5] for e in resumed.epochs()
-    ]
-    assert logged == lines, stopped["output"] + resumed.output  # the stopped epoch's too
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
-def test_loader_workers_leave_the_stop_to_their_process(root, stage):
-    """--workers 2, and SIGTERM to every process of the run (Slurm's time limit and preemption):
-    the workers neither die nor make their training process fail; it stops, saves, resumes."""
-    args = [EPOCHS, 1, *global_batch_args(stage), "--workers", "2"]
-    cwd = root / f"{stage}-every-process"
-    cwd.mkdir()
-    stopped, resumed = stop_and_resume(stage, args, cwd, "SIGTERM", every=True)
-    assert_stopped_cleanly(stopped, "SIGTERM")
-    assert "DataLoader worker" not in stopped["output"], stopped["output"]
-    assert resumed.returncode == 0, resumed.output
-    reference, _ = uninterrupted(stage, root, EPOCHS, 1, *global_batch_args(stage))
-    assert_bitwise_equal(load(cwd / "snapshot.pt"), reference)  # workers or not: same model
-
-
-def assert_saved_where_it_stopped(output: str, cwd: Path, name: str) -> dict:
-    """One stop line that says where the snapshot stands, and no temporary file left."""
-    ours = [line for line in output.splitlines() if STOP_LINE in line]
-    assert len(ours) == 1 and ours[0].startswith(f"{name}: stopped in epoch "), output
-    snapshot = load(cwd / "snapshot.pt")
-    assert f"stopped in epoch {snapshot['epoch'] + 1} after {snapshot['samples']} " in ours[0]
-    assert not list(cwd.glob("*.tmp")), output
-    return snapshot
-
-
-def assert_resumes_bit_for_bit(stage: str, args: list, cwd: Path, root: Path, first: str) -> None:
-    """Started again, the run ends where the uninterrupted one ends, with its epoch lines."""
-    resumed = launch(stage, args, cwd, timeout=600)
-    assert resumed.returncode == 0, resumed.output
-    reference, lines = uninterrupted(stage, root, *args)
-    assert_bitwise_equal(load(cwd / "snapshot.pt"), reference)
-    logged = [e[:5] for e in Run(0, first, 0).epochs()] + [e[:5] for e in resumed.epochs()]
-    assert logged == lines, first + resumed.output
-
-
-def faulty_run(stage: str, args: list, cwd: Path, **faults: str) -> Run:
-    cwd.mkdir()
-    return launch(stage, args, cwd, env=stage_env(**faults), timeout=600)
-
-
-@pytest.mark.slow
-def test_a_slow_write_at_a_stop_is_waited_for(root):
-    """multigpu.py stopped while its snapshot takes 15 s to write (a large model on NFS): the
-    other rank waits for the write instead of exiting, so the launcher kills nobody."""
-    args = [EPOCHS, 10, *global_batch_args("multigpu")]  # no save before the stop
-    cwd = root / "slow-write"
-    run = faulty_run("multigpu", args, cwd, FAULT_SAVE="slow:15", FAULT_SIGNAL="SIGTERM:step:15")
-    assert run.returncode == 128 + signal.SIGTERM, run.output
-    assert assert_saved_where_it_stopped(run.output, cwd, "SIGTERM")["samples"] > 0
-    assert_resumes_bit_for_bit("multigpu", args, cwd, root, run.output)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
-@pytest.mark.parametrize("step", [13, 14])
-def test_a_stop_at_the_end_of_an_epoch_resumes_exactly(root, stage, step):
-    """14 steps an epoch, the last one short (640 = 13 x 48 + 16): stopped after step 14 or 15,
-    the resumed run neither trains the short step again nor skips one."""
-    args = [2, 1, "--batch_size", 48 if stage == "single_gpu" else 24]
-    cwd = root / f"epoch-end-{stage}-{step}"
-    run = faulty_run(stage, args, cwd, FAULT_SIGNAL=f"SIGTERM:step:{step}")
-    assert run.returncode == 128 + signal.SIGTERM, run.output
-    assert_saved_where_it_stopped(run.output, cwd, "SIGTERM")
-    assert_resumes_bit_for_bit(stage, args, cwd, root, run.output)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
-def test_a_second_ctrl_c_ends_the_job_at_once(root, stage):
-    """The second save hangs (a hung filesystem). Ctrl-C (to the process group, as a terminal
-    sends it) is noted and waits for a step that never comes; a second one ends every process
-    within seconds (its default action), and snapshot.pt still holds epoch 1."""
-    cwd = root / f"second-ctrl-c-{stage}"
+def second_ctrl_c(stage: str, cwd: Path) -> dict:
+    """The second save hangs (FAULT_SAVE=slow:600, a hung filesystem); once epoch 2 is logged,
+    Ctrl-C (to the process group, as a terminal sends it), 2 s later another: {"alive" after the
+    first, "code" within 10 s of the second (None: still running), "left" (processes a second
+    after), "epoch" of the snapshot}."""
     cwd.mkdir()
     env = stage_env(FAULT_SAVE="slow:600", FAULT_SAVE_FROM="2")
     (proc,) = start(stage, [EPOCHS, 1], cwd, env=env)
@@ -207,39 +115,178 @@ def test_a_second_ctrl_c_ends_the_job_at_once(root, stage):
                 break
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(2)
-        assert proc.poll() is None, "the first Ctrl-C waits for a step"
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=10) != 0
+        alive = proc.poll() is None
+        if alive:
+            os.killpg(proc.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        code = proc.returncode
     finally:
         proc.kill()
         proc.communicate()
     time.sleep(1)
-    assert not processes_in(cwd)
+    left = processes_in(cwd)
     end_processes_in(cwd)
-    assert load(cwd / "snapshot.pt")["epoch"] == 1
+    return {"alive": alive, "code": code, "left": left, "epoch": load(cwd / "snapshot.pt")["epoch"]}
+
+
+def full_at_stop(cwd: Path) -> tuple:
+    """multigpu.py stopped in epoch 1 on a full disk: (Run, the files it left)."""
+    cwd.mkdir()
+    env = stage_env(FAULT_SAVE="full", FAULT_SIGNAL="SIGTERM:step:3")
+    run = launch("multigpu", [EPOCHS, 10], cwd, env=env, timeout=600)
+    return run, list(cwd.iterdir())
+
+
+def stop_args(stage: str, save_every: int = 1) -> list:
+    """Stopped in epoch 2, the last: the stops at an epoch's end go on to a next epoch."""
+    return [2, save_every, *global_batch_args(stage)]
+
+
+def epoch_end_args(stage: str) -> list:
+    return [2, 1, "--batch_size", EPOCH_END[stage]]
+
+
+def reference_name(stage: str, args: list) -> str:
+    return "-".join(["uninterrupted", stage, *map(str, args)])
+
+
+def queue_slow_runs(runs: Runs, root: Path) -> None:
+    """Every run of this file, the uninterrupted ones first, each in a folder of its own."""
+
+    def queue(name: str, job, *args, **kwargs) -> None:
+        runs.submit(name, functools.partial(job, *args, **kwargs))
+
+    references = [(stage, stop_args(stage)) for stage in STAGES]
+    references += [("multigpu", stop_args("multigpu", 10))]
+    references += [(stage, epoch_end_args(stage)) for stage in EPOCH_END]
+    for stage, args in references:
+        name = reference_name(stage, args)
+        queue(name, uninterrupted, stage, args, root / name)
+    faults = {"FAULT_SAVE": "slow:15", "FAULT_SIGNAL": "SIGTERM:step:15"}  # no save before it
+    queue("slow-write", stopped_then_resumed, "multigpu", stop_args("multigpu", 10),
+          root / "slow-write", **faults)  # fmt: skip
+    for stage, name in CASES:
+        cwd = root / f"{stage}-{name}"
+        queue(f"{stage}-{name}", stopped_then_resumed, stage, stop_args(stage), cwd, name)
+    for stage in ("single_gpu", "multigpu_torchrun"):
+        faults = {"FAULT_SAVE": "slow:5", "FAULT_SIGNAL": "SIGTERM:save"}
+        cwd = root / f"signal-in-write-{stage}"
+        queue(cwd.name, stopped_then_resumed, stage, stop_args(stage), cwd, **faults)
+    for stage in ("single_gpu", "multigpu"):
+        args = [*stop_args(stage), "--workers", "2"]
+        cwd = root / f"{stage}-every-process"
+        queue(cwd.name, stopped_then_resumed, stage, args, cwd, "SIGTERM", every=True)
+        for step in (13, 14):
+            cwd = root / f"epoch-end-{stage}-{step}"
+            faults = {"FAULT_SIGNAL": f"SIGTERM:step:{step}"}
+            queue(cwd.name, stopped_then_resumed, stage, epoch_end_args(stage), cwd, **faults)
+        queue(f"second-ctrl-c-{stage}", second_ctrl_c, stage, root / f"second-ctrl-c-{stage}")
+    queue("full-at-stop", full_at_stop, root / "full-at-stop")
+
+
+def assert_stopped_cleanly(stopped: dict, name: str) -> None:
+    output = stopped["output"]
+    assert all(code != 0 for code in stopped["codes"]), output  # not finished: not a success
+    assert stopped["seconds"] < 30, output  # within a Slurm KillWait or a Kubernetes grace
+    assert "Traceback" not in output or "SignalException" in output, output  # torchrun's own
+    assert_saved_where_it_stopped(stopped, name)
+
+
+def assert_saved_where_it_stopped(stopped: dict, name: str) -> dict:
+    """One stop line that says where the snapshot stands, inside an epoch, and no temporary
+    file left."""
+    ours = [line for line in stopped["output"].splitlines() if STOP_LINE in line]
+    assert len(ours) == 1 and ours[0].startswith(f"{name}: stopped in epoch "), stopped["output"]
+    snapshot = stopped["snapshot"]
+    assert snapshot["samples"] > 0, snapshot["samples"]  # inside an epoch, not at its start
+    assert f"stopped in epoch {snapshot['epoch'] + 1} after {snapshot['samples']} " in ours[0]
+    assert not stopped["left"], stopped["output"]
+    return snapshot
+
+
+def assert_resumes_bit_for_bit(slow_runs, stage: str, args: list, stopped: dict, resumed: Run):
+    """Started again, the run ends where the uninterrupted one ends, with its epoch lines (the
+    stopped epoch's too)."""
+    assert resumed.returncode == 0, resumed.output
+    reference, lines = slow_runs[reference_name(stage, args)]
+    assert_bitwise_equal(load(stopped["cwd"] / "snapshot.pt"), reference)
+    logged = [e[:5] for e in Run(0, stopped["output"], 0).epochs()]
+    logged += [e[:5] for e in resumed.epochs()]
+    assert logged == lines, stopped["output"] + resumed.output
 
 
 @pytest.mark.slow
-def test_a_snapshot_that_cannot_be_written_at_a_stop_fails_the_job(root):
-    cwd = root / "full-at-stop"
-    run = faulty_run(
-        "multigpu", [EPOCHS, 10], cwd, FAULT_SAVE="full", FAULT_SIGNAL="SIGTERM:step:3"
-    )
+@pytest.mark.parametrize(("stage", "name"), CASES)
+def test_stopped_run_resumes_bit_for_bit(slow_runs, stage, name):
+    stopped, resumed = slow_runs[f"{stage}-{name}"]
+    assert_stopped_cleanly(stopped, name)
+    assert_resumes_bit_for_bit(slow_runs, stage, stop_args(stage), stopped, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
+def test_loader_workers_leave_the_stop_to_their_process(slow_runs, stage):
+    """--workers 2, and SIGTERM to every process of the run (Slurm's time limit and preemption):
+    the workers neither die nor make their training process fail; it stops, saves, resumes."""
+    stopped, resumed = slow_runs[f"{stage}-every-process"]
+    assert_stopped_cleanly(stopped, "SIGTERM")
+    assert "DataLoader worker" not in stopped["output"], stopped["output"]
+    assert resumed.returncode == 0, resumed.output
+    reference, _ = slow_runs[reference_name(stage, stop_args(stage))]
+    assert_bitwise_equal(load(stopped["cwd"] / "snapshot.pt"), reference)  # workers or not
+
+
+@pytest.mark.slow
+def test_a_slow_write_at_a_stop_is_waited_for(slow_runs):
+    """multigpu.py stopped while its snapshot takes 15 s to write (a large model on NFS): the
+    other rank waits for the write instead of exiting, so the launcher kills nobody."""
+    stopped, resumed = slow_runs["slow-write"]
+    assert stopped["codes"] == [128 + signal.SIGTERM], stopped["output"]
+    assert_saved_where_it_stopped(stopped, "SIGTERM")
+    assert_resumes_bit_for_bit(slow_runs, "multigpu", stop_args("multigpu", 10), stopped, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
+@pytest.mark.parametrize("step", [13, 14])
+def test_a_stop_at_the_end_of_an_epoch_resumes_exactly(slow_runs, stage, step):
+    """14 steps an epoch, the last one short (640 = 13 x 48 + 16): stopped after step 14 or 15,
+    the resumed run neither trains the short step again nor skips one."""
+    stopped, resumed = slow_runs[f"epoch-end-{stage}-{step}"]
+    assert stopped["codes"] == [128 + signal.SIGTERM], stopped["output"]
+    assert_saved_where_it_stopped(stopped, "SIGTERM")
+    assert_resumes_bit_for_bit(slow_runs, stage, epoch_end_args(stage), stopped, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
+def test_a_second_ctrl_c_ends_the_job_at_once(slow_runs, stage):
+    """The first Ctrl-C is noted and waits for a step that never comes (the save hangs); a
+    second one ends every process within seconds (its default action), and snapshot.pt still
+    holds epoch 1."""
+    result = slow_runs[f"second-ctrl-c-{stage}"]
+    assert result["alive"], "the first Ctrl-C waits for a step"
+    assert result["code"] not in (None, 0) and not result["left"], result
+    assert result["epoch"] == 1
+
+
+@pytest.mark.slow
+def test_a_snapshot_that_cannot_be_written_at_a_stop_fails_the_job(slow_runs):
+    run, left = slow_runs["full-at-stop"]
     assert run.returncode == 1 and run.output.count("error: ") == 1, run.output
     assert "cannot save snapshot.pt: [Errno 28] No space left on device" in run.output, run.output
     assert STOP_LINE not in run.output and "Traceback" not in run.output, run.output
-    assert not list(cwd.iterdir())
+    assert not left
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["single_gpu", "multigpu_torchrun"])
-def test_a_signal_during_a_write_stops_after_it(root, stage):
+def test_a_signal_during_a_write_stops_after_it(slow_runs, stage):
     """SIGTERM to rank 0 as its first periodic snapshot starts a 5 s write: the write ends, the
     run stops after the steps that follow, saved, and resumes bit for bit."""
-    args = [EPOCHS, 1, *global_batch_args(stage)]
-    cwd = root / f"signal-in-write-{stage}"
-    run = faulty_run(stage, args, cwd, FAULT_SAVE="slow:5", FAULT_SIGNAL="SIGTERM:save")
-    assert run.returncode != 0 and "Epoch 1 " in run.output, run.output
-    snapshot = assert_saved_where_it_stopped(run.output, cwd, "SIGTERM")
-    assert snapshot["epoch"] == 1 and snapshot["samples"] > 0, run.output
-    assert_resumes_bit_for_bit(stage, args, cwd, root, run.output)
+    stopped, resumed = slow_runs[f"signal-in-write-{stage}"]
+    assert all(code != 0 for code in stopped["codes"]) and "Epoch 1 " in stopped["output"]
+    snapshot = assert_saved_where_it_stopped(stopped, "SIGTERM")
+    assert snapshot["epoch"] == 1 and snapshot["samples"] > 0, stopped["output"]
+    assert_resumes_bit_for_bit(slow_runs, stage, stop_args(stage), stopped, resumed)
