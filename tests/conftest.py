@@ -189,7 +189,7 @@ def end_processes_in(folder: Path) -> None:
 class Runs:
     """Launches that run side by side: one run alone leaves a core idle much of the time
     (imports, rendezvous), and the results do not depend on the load (the arithmetic is
-    deterministic). At most 3 per core at once, in the order started. A run that starts from
+    deterministic). At most `per_core` a core at once, in the order started. A run that starts from
     another's files starts as soon as that one ends, ahead of the queue. runs[name] waits for it."""
 
     def __init__(self, per_core: float = 3) -> None:

@@ -117,20 +117,14 @@ def test_a_job_stopped_at_every_start_ends_after_its_requeues(slurm_env, tmp_pat
     assert log.count("requeued to go on") == 1 and "not requeued after 1 requeues" in log, log
 
 
-def srun_job(slurm_env, root: Path, name: str, args: list, sbatch=(), tasks: int = 2) -> tuple:
-    """slurm/multinode_srun.sh on 2 nodes x `tasks` (srun python multinode.py, no torchrun)."""
-    cwd = root / name
-    copy_repo(cwd)
-    command = [*sbatch, f"--ntasks-per-node={tasks}", "slurm/multinode_srun.sh", *args]
-    return cwd, follow(slurm_env, cwd, command)
-
-
 @pytest.mark.slow
 def test_srun_tasks_train_as_torchrun_does(slurm_env, slow_runs, tmp_path):
     """Four srun tasks (2 nodes x 2) x 16 train the model that two torchrun nodes x 32 train:
     global batch 64 either way; one log, every epoch once."""
-    args = [EPOCHS, 1, "--batch_size", 16]
-    cwd, finished = srun_job(slurm_env, tmp_path, "srun", args)
+    cwd = tmp_path / "repo"
+    copy_repo(cwd)
+    command = ["--ntasks-per-node=2", "slurm/multinode_srun.sh", EPOCHS, 1, "--batch_size", 16]
+    finished = follow(slurm_env, cwd, command)
     log = finished["log"]
     assert finished["ended"] == "COMPLETED", finished["state"] + log
     assert "start 1 (requeued 0 times)" in log and "Traceback" not in log, log
