@@ -135,9 +135,12 @@ def test_srun_tasks_train_as_torchrun_does(slurm_env, slow_runs, tmp_path):
 
 @pytest.fixture(scope="module")
 def time_limit_jobs(_slurm_in_background, slow_runs, tmp_path_factory):
-    """slurm/multinode.sh and slurm/multinode_srun.sh under a 1-minute limit, warned 30 s before
-    it, side by side once every other launch has ended (a start on a loaded machine can outlast
-    the warning): {name: (folder, follow's result)}."""
+    """slurm/multinode.sh and slurm/multinode_srun.sh under a 1-minute limit, side by side once
+    every other launch has ended: {name: (folder, follow's result)}. slurmctld looks at time
+    limits every 30 s and warns at the first look that finds the limit at most `--signal`'s time
+    + 30 s away (sbatch's manual: up to 60 s early); it ends a job at a look too. So @10 warns 20
+    to 50 s into each start (the workers train by then) and ends it 30 s later at the soonest
+    (@30 warned 0 to 30 s in: once before the workers had started, and the job failed)."""
     slurm_env = slurm_futures(_slurm_in_background)[0].result()
     slow_runs.wait_all()
     batch_files = {"torchrun": "slurm/multinode.sh", "srun": "slurm/multinode_srun.sh"}
@@ -147,7 +150,7 @@ def time_limit_jobs(_slurm_in_background, slow_runs, tmp_path_factory):
         for name, batch_file in batch_files.items():
             copy_repo(folders[name])
             tasks = ["--ntasks-per-node=1"] if name == "srun" else []  # exact resumes: README
-            sbatch = ["--time=1", "--signal=B:USR1@30", *tasks, batch_file]
+            sbatch = ["--time=1", "--signal=B:USR1@10", *tasks, batch_file]
             args = [*sbatch, *UNINTERRUPTED["time-limit"]]
             jobs[name] = pool.submit(follow, slurm_env, folders[name], args)
         yield {name: (folders[name], job.result()) for name, job in jobs.items()}
@@ -156,8 +159,9 @@ def time_limit_jobs(_slurm_in_background, slow_runs, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.quiet
 def test_time_limit_warns_saves_and_requeues(time_limit_jobs, slow_runs):
-    """A time limit (1 minute) shorter than the run: warned 30 s before it (the file asks for 120
-    s), the run stops after a step, the job requeues itself, and so on until the run ends."""
+    """A time limit (1 minute) shorter than the run: warned before it (the file asks for 120 s;
+    here 10, see time_limit_jobs), the run stops after a step, the job requeues itself, and so
+    on until the run ends."""
     cwd, finished = time_limit_jobs["torchrun"]
     assert_requeued_and_finished(finished, cwd, slow_runs["slurm-time-limit"])
 
