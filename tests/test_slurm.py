@@ -139,8 +139,8 @@ def time_limit_jobs(_slurm_in_background, slow_runs, tmp_path_factory):
     every other launch has ended: {name: (folder, follow's result)}. slurmctld looks at time
     limits every 30 s and warns at the first look that finds the limit at most `--signal`'s time
     + 30 s away (sbatch's manual: up to 60 s early); it ends a job at a look too. So @10 warns 20
-    to 50 s into each start (the workers train by then) and ends it 30 s later at the soonest
-    (@30 warned 0 to 30 s in: once before the workers had started, and the job failed)."""
+    to 50 s into each start (the workers train by then) and ends it 30 s later at the soonest.
+    @30 would warn 0 to 30 s in, maybe before a worker has a handler: no save, no requeue."""
     slurm_env = slurm_futures(_slurm_in_background)[0].result()
     slow_runs.wait_all()
     batch_files = {"torchrun": "slurm/multinode.sh", "srun": "slurm/multinode_srun.sh"}
