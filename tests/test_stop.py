@@ -286,7 +286,8 @@ def test_a_signal_during_a_write_stops_after_it(slow_runs, stage):
     """SIGTERM to rank 0 as its first periodic snapshot starts a 5 s write: the write ends, the
     run stops after the steps that follow, saved, and resumes bit for bit."""
     stopped, resumed = slow_runs[f"signal-in-write-{stage}"]
-    assert all(code != 0 for code in stopped["codes"]) and "Epoch 1 " in stopped["output"]
+    assert all(code != 0 for code in stopped["codes"]), stopped["output"]
+    assert "Epoch 1 " in stopped["output"], stopped["output"]
     snapshot = assert_saved_where_it_stopped(stopped, "SIGTERM")
     assert snapshot["epoch"] == 1 and snapshot["samples"] > 0, stopped["output"]
     assert_resumes_bit_for_bit(slow_runs, stage, stop_args(stage), stopped, resumed)
