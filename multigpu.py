@@ -63,8 +63,8 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
             raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
         g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, under noise
         labels = torch.randint(10, (720,), generator=g)
-        prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=32)
-        images = prototypes[labels] + 1.5 * torch.randn(720, 3, 32, 32, generator=g)
+        prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size)
+        images = prototypes[labels] + 1.5 * torch.randn(720, 3, size, size, generator=g)
         train = TensorDataset(images[:640], labels[:640])
         return train, TensorDataset(images[640:], labels[640:]), 10
     from torchvision import datasets
@@ -97,22 +97,29 @@ class EpochSampler(DistributedSampler):
         return itertools.islice(super().__iter__(), self.start, None)
 
 
-def build_model(arch: str, classes: int) -> nn.Module:
+def build_model(arch: str, classes: int, size: int) -> nn.Module:
     """convnet: a small CNN normalized per sample (GroupNorm), the same at any number of ranks."""
     if arch == "convnet":
         # fmt: off
-        return nn.Sequential(
+        model = nn.Sequential(
             nn.Conv2d(3, 32, 2, stride=2), nn.GroupNorm(8, 32), nn.GELU(),
             nn.Conv2d(32, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.GELU(), nn.AvgPool2d(2),
             nn.Conv2d(64, 128, 3, padding=1), nn.GELU(), nn.Conv2d(128, 128, 3, padding=1),
             nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, classes),
         )
         # fmt: on
-    from torchvision import models
+    else:
+        from torchvision import models
 
-    if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
-        raise ValueError(f"--arch {arch}: use convnet or a torchvision classifier (no aux loss)")
-    return models.get_model(arch, num_classes=classes)
+        if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
+            raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
+        model = models.get_model(arch, num_classes=classes)
+    try:  # one image through: ViT takes 224 only, VGG 32 or more
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, 3, size, size))
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"--arch {arch} cannot take --image_size {size}: {e}") from None
+    return model
 
 
 def get_lr(step: int, steps: int, peak: float) -> float:
@@ -310,7 +317,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     try:
         train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
-        model = build_model(args.arch, classes)
+        model = build_model(args.arch, classes, args.image_size)
     except ValueError as e:  # bad input: one line for the job, not a traceback
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
     device = setup(local_rank, global_rank)

@@ -92,7 +92,7 @@ def loader_rate(single, data_dir: Path, batch: int, device: torch.device, epochs
 def bare_rate(single, opts: argparse.Namespace, batch: int, precision: str, device) -> float:
     """Samples/s of the training step alone: what the stages do per batch, minus the data."""
     torch.manual_seed(0)
-    model = single.build_model("resnet18", 10).to(device)
+    model = single.build_model("resnet18", 10, 32).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
     step_model = torch.compile(model, mode="reduce-overhead") if opts.compile else model
     source = torch.randn(batch, 3, 32, 32, device=device)

@@ -299,7 +299,7 @@ def single_gpu():
 def write_snapshot(path: Path, epoch: int) -> None:
     """A valid snapshot of the default model, as the stages write it."""
     torch.manual_seed(0)
-    model = single_gpu().build_model("convnet", 10)
+    model = single_gpu().build_model("convnet", 10, 32)
     optimizer = torch.optim.AdamW(model.parameters())
     snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
     torch.save(snapshot, path)

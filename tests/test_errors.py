@@ -67,6 +67,8 @@ def workdir(tmp_path, monkeypatch):
         (["2", "1", "--precision", "fp16"], "--precision"),
         (["2", "1", "--augment", "rotate"], "--augment"),
         (["2", "1", "--augment", "flip"], "--augment needs --data_dir"),
+        (["2", "1", "--arch", "vit_b_16"], "--arch vit_b_16 cannot take --image_size 32"),
+        (["2", "1", "--image_size", "2"], "--arch convnet cannot take --image_size 2"),
     ],
 )
 def test_bad_arguments(workdir, monkeypatch, args, expected):

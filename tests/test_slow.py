@@ -64,7 +64,7 @@ def test_compile_runs_on_the_cpu(slow_runs):
     run, snapshot, _ = slow_runs["compiled-single_gpu"]
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
     assert "Traceback" not in run.output, run.output
-    single_gpu().build_model("convnet", 10).load_state_dict(snapshot["model"])
+    single_gpu().build_model("convnet", 10, 32).load_state_dict(snapshot["model"])
 
 
 @pytest.mark.slow

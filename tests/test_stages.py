@@ -74,7 +74,8 @@ def test_snapshot_is_plain_and_loads_safely(reference_runs, stage):
     snapshot = torch.load(reference_runs[stage][0] / "snapshot.pt", weights_only=True)
     assert snapshot["epoch"] == EPOCHS
     assert not any(k.startswith("module.") for k in snapshot["model"])
-    single_gpu().build_model("convnet", 10).load_state_dict(snapshot["model"])  # every key, shape
+    model = single_gpu().build_model("convnet", 10, 32)
+    model.load_state_dict(snapshot["model"])  # every key, every shape
     assert not list(reference_runs[stage][0].glob("*.tmp"))
 
 
@@ -139,8 +140,13 @@ def test_cifar10_recipe_flags(runs):
 
 
 def test_arch_takes_a_torchvision_model():
-    model = single_gpu().build_model("resnet18", 4)
+    model = single_gpu().build_model("resnet18", 4, 32)
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 4)
+
+
+def test_image_size_is_the_side_of_the_built_in_images_too():
+    train, val, _ = single_gpu().load_datasets(None, 48, "none")
+    assert train[0][0].shape == val[0][0].shape == (3, 48, 48)
 
 
 def test_augmentation_keeps_the_class_unless_asked(tmp_path):
@@ -168,7 +174,7 @@ def test_learning_rate_warms_up_then_decays_to_zero():
 
 def model_and_optimizer(fused: bool) -> tuple:
     """The default model and AdamW, fused when asked (as on GPUs), on the CPU."""
-    model = single_gpu().build_model("convnet", 10)
+    model = single_gpu().build_model("convnet", 10, 32)
     return model, torch.optim.AdamW(model.parameters(), fused=fused)
 
 
