@@ -151,6 +151,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
 def save_snapshot(path: str, snapshot: dict) -> bool:
     """Written beside the last one, then renamed over it: a crash or a full disk keeps the last."""
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # --snapshot_path runs/a.pt
         with open(f"{path}.tmp", "wb") as f:
             torch.save(snapshot, f)
             os.fsync(f.fileno())

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import DEAD_RANKS, EPOCHS, assert_bitwise_equal, load, processes_in
+from conftest import DEAD_RANKS, EPOCHS, assert_bitwise_equal, load, processes_in, single_gpu
 
 
 @pytest.mark.parametrize("name", DEAD_RANKS)
@@ -13,6 +13,12 @@ def test_a_dead_rank_ends_the_job(runs, name):
     cwd, run = runs[name]
     assert run.returncode != 0 and run.ended - (cwd / "died").stat().st_mtime < 60, run.output
     assert DEAD_RANKS[name][2] in run.output, run.output
+
+
+def test_a_snapshot_path_in_a_new_folder_is_written(tmp_path):
+    """--snapshot_path runs/a.pt: the first save makes the folder (no error after an epoch)."""
+    assert single_gpu().save_snapshot(str(tmp_path / "runs" / "a.pt"), {"epoch": 1})
+    assert load(tmp_path / "runs" / "a.pt") == {"epoch": 1}
 
 
 def test_crash_while_saving_keeps_the_previous_snapshot(reference_runs, runs):

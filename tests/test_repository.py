@@ -16,7 +16,7 @@ README = (REPO / "README.md").read_text()
 # Changed lines to the next stage, and bytes: the figures of today's stages, so that they cannot
 # grow unnoticed (the house style asks for 55 / 25 / 12 and 12,000 / 15,000 bytes: not met).
 LIMITS = {"single_gpu": 107, "multigpu": 32, "multigpu_torchrun": 12}
-BYTES = {"single_gpu": 16_200, "multigpu": 20_500, "multigpu_torchrun": 19_700, "multinode": 20_500}
+BYTES = {"single_gpu": 16_200, "multigpu": 20_600, "multigpu_torchrun": 19_800, "multinode": 20_600}
 
 
 def changed_lines(a: str, b: str) -> int:
