@@ -371,6 +371,8 @@ if __name__ == "__main__":
     add("--workers", type=lambda text: integer(text, 0))
     add("--world_size", type=integer, default=torch.cuda.device_count() or 2)
     args = parser.parse_args()
+    if not 0 < args.lr < float("inf"):
+        parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
     args.total_epochs = args.epochs or args.total_epochs
     args.save_every = args.every or args.save_every
     with socket.socket() as s:  # a free port: runs never collide

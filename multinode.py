@@ -369,6 +369,8 @@ if __name__ == "__main__":
     add("--workers", type=lambda text: integer(text, 0))
     add("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)  # the legacy launcher's
     args = parser.parse_args()
+    if not 0 < args.lr < float("inf"):
+        parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
     args.total_epochs = args.epochs or args.total_epochs
     args.save_every = args.every or args.save_every
     if "LOCAL_RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:  # srun's tasks

@@ -328,6 +328,8 @@ if __name__ == "__main__":
     add("--compile", action="store_true")
     add("--workers", type=lambda text: integer(text, 0))
     args = parser.parse_args()
+    if not 0 < args.lr < float("inf"):
+        parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
     args.total_epochs = args.epochs or args.total_epochs
     args.save_every = args.every or args.save_every
     sys.exit(main(args))

@@ -63,6 +63,8 @@ def workdir(tmp_path, monkeypatch):
         (["2", "1", "--arch", "resnet_9000"], "--arch resnet_9000: use convnet"),
         (["2", "1", "3"], "unrecognized arguments"),
         (["2", "1", "--grad_accum", "0"], "--grad_accum"),
+        (["2", "1", "--lr", "-1"], "argument --lr: expected a number > 0"),
+        (["2", "1", "--lr", "nan"], "argument --lr: expected a number > 0"),
         (["2", "1", "--workers", "-1"], "--workers"),
         (["2", "1", "--precision", "fp16"], "--precision"),
         (["2", "1", "--augment", "rotate"], "--augment"),
