@@ -203,17 +203,16 @@ class Trainer:
         first = -(-samples // batch_size)
         sampler.start = first * batch_size
         steps = len(self.train_data)
-        accumulate = self.args.grad_accum
-        updates = -(-steps // accumulate)
+        updates = -(-steps // self.args.grad_accum)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
-            update = (step + 1) % accumulate == 0 or step + 1 == steps
+            update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
             loss_sum += self._run_batch(source, targets)
             if not update:
                 continue
-            lr_step = epoch * updates + step // accumulate
+            lr_step = epoch * updates + step // self.args.grad_accum
             for group in self.optimizer.param_groups:
                 group["lr"] = get_lr(lr_step, self.args.total_epochs * updates, self.args.lr)
             self.optimizer.step()
@@ -239,6 +238,8 @@ class Trainer:
     def train(self) -> int:
         """0 at the end; 128 + the signal at a stop, saved; 1 if a save failed."""
         epochs_run, skipped, loss_saved = self.resume.values()
+        if epochs_run >= self.args.total_epochs and self.global_rank == 0:
+            print(f"{self.args.snapshot_path}: epoch {epochs_run} done already, nothing to train")
         for epoch in range(epochs_run, self.args.total_epochs):
             began = time.perf_counter()
             loss_sum, samples, stopped = self._run_epoch(epoch, skipped)
@@ -260,8 +261,7 @@ class Trainer:
             due = (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs
             if due and not self._save_snapshot(epoch + 1):
                 return 1
-            skipped = 0
-            loss_saved = 0.0
+            skipped, loss_saved = 0, 0.0
         return 0
 
 
