@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -220,10 +221,9 @@ class Trainer:
         """From the epoch's `samples`-th sample on: loss sum, samples, stop signal or 0."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        batch_size = self.args.batch_size
         # Resumed: after the last step trained, a short last one too.
-        first = -(-samples // (sampler.num_replicas * batch_size))
-        sampler.start = first * batch_size
+        first = -(-samples // (sampler.num_replicas * self.args.batch_size))
+        sampler.start = first * self.args.batch_size
         steps = len(self.train_data)
         updates = -(-steps // self.args.grad_accum)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -246,18 +246,18 @@ class Trainer:
             self.noted = torch.tensor(stop_signals[0] if stop_signals else 0)
             self.stop_check = dist.all_reduce(self.noted, dist.ReduceOp.MAX, self.cpu_group, True)
             if stopped:
-                return loss_sum, min(len(sampler), (step + 1) * batch_size), stopped
+                return loss_sum, min(len(sampler), (step + 1) * self.args.batch_size), stopped
             if self.global_rank == 0 and time.monotonic() > report:
                 print(f"  epoch {epoch + 1}: step {step + 1} of {steps}", flush=True)
                 report = time.monotonic() + 30
-        return loss_sum, min(len(sampler), steps * batch_size), 0
+        return loss_sum, min(len(sampler), steps * self.args.batch_size), 0
 
-    def _evaluate(self) -> tuple[torch.Tensor, int]:
+    def _evaluate(self, val_batches: Iterator) -> tuple[torch.Tensor, int]:
         """This rank's correct answers and samples."""
         self.model.eval()
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
         with torch.no_grad():
-            for source, targets in self.val_data:
+            for source, targets in val_batches:
                 outputs = self.model(source.to(self.device, non_blocking=True))
                 correct += (outputs.argmax(1) == targets.to(self.device)).sum()
         return correct, len(self.val_data.dataset)
@@ -269,8 +269,9 @@ class Trainer:
             print(f"{self.args.snapshot_path}: epoch {epochs_run} done already, nothing to train")
         for epoch in range(epochs_run, self.args.total_epochs):
             began = time.perf_counter()
+            val_batches = iter(self.val_data)  # its workers load them while the epoch trains
             loss_sum, samples, stopped = self._run_epoch(epoch, skipped)
-            correct, evaluated = (0, 0) if stopped else self._evaluate()
+            correct, evaluated = (0, 0) if stopped else self._evaluate(val_batches)
             figures = [float(loss_sum), samples, float(correct), evaluated]
             figures = torch.tensor(figures, dtype=torch.float64)
             dist.all_reduce(figures, group=self.cpu_group)  # summed over the ranks
@@ -284,11 +285,10 @@ class Trainer:
                     print(f"{signal.Signals(stopped).name}: stopped {where}; run again to resume")
                 return 128 + stopped
             if self.global_rank == 0:
-                lr = self.optimizer.param_groups[0]["lr"]
                 speed = (samples - skipped) / (time.perf_counter() - began)
                 means = f"loss {loss_sum / samples:.4f} | acc {float(correct) / evaluated:.4f}"
-                rest = f"lr {lr:.2e} | batch {self.run['batch']} | {speed:.0f} samples/s"
-                print(f"Epoch {epoch + 1} | {means} | {rest}", flush=True)
+                rest = f"lr {self.optimizer.param_groups[0]['lr']:.2e} | batch {self.run['batch']}"
+                print(f"Epoch {epoch + 1} | {means} | {rest} | {speed:.0f} samples/s", flush=True)
             due = (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs
             if due and not self._save_snapshot(epoch + 1):
                 return 1
