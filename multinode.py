@@ -194,8 +194,8 @@ class Trainer:
             # CUDA graphs launch a step at once, but a replay would overwrite summed gradients.
             mode = "reduce-overhead" if args.grad_accum == 1 else None
             self.train_model = torch.compile(self.train_model, mode=mode)
-        # DDP all-reduces gradients; compiled first, as nanoGPT, so its forward is not traced.
-        self.train_model = nn.parallel.DistributedDataParallel(self.train_model)
+        if dist.get_world_size() > 1:  # DDP all-reduces gradients; compiled first, as nanoGPT
+            self.train_model = nn.parallel.DistributedDataParallel(self.train_model)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
         """Rank 0 writes the snapshot; False if it could not."""
@@ -231,8 +231,9 @@ class Trainer:
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
-            with contextlib.nullcontext() if update else self.train_model.no_sync():
-                loss_sum += self._run_batch(source, targets)  # DDP all-reduces at updates only
+            sync = update or dist.get_world_size() == 1  # DDP all-reduces at updates only
+            with contextlib.nullcontext() if sync else self.train_model.no_sync():
+                loss_sum += self._run_batch(source, targets)
             if not update:
                 continue
             lr_step = epoch * updates + step // self.args.grad_accum

@@ -443,6 +443,9 @@ def runs(tmp_path_factory):
     launcher = LEGACY_LAUNCHER if importlib.util.find_spec("torch.distributed.launch") else None
     cwd = folder("accumulate")
     runs.start("accumulate", cwd, stage="multigpu_torchrun", args=args, launcher=launcher)
+    # The same from one process under torchrun, which trains without DDP: test_stages.py.
+    args = [EPOCHS, EPOCHS, "--batch_size", 16, "--grad_accum", 4]  # 1 process x 16 x 4
+    runs.start("one-process", folder("one-process"), stage="multigpu_torchrun", args=args, nproc=1)
     # multinode.py's snapshot of epoch 2 resumed in single_gpu.py.
     cwd = folder("cross")
     copy = functools.partial(

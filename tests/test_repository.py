@@ -15,7 +15,7 @@ from conftest import EPOCH_LINE, REPO, STAGES, single_gpu
 README = (REPO / "README.md").read_text()
 # Changed lines to the next stage, and bytes: the figures of today's stages, so that they cannot
 # grow unnoticed (the house style asks for 55 / 25 / 12 and 12,000 / 15,000 bytes: not met).
-LIMITS = {"single_gpu": 107, "multigpu": 32, "multigpu_torchrun": 12}
+LIMITS = {"single_gpu": 108, "multigpu": 32, "multigpu_torchrun": 12}
 BYTES = {"single_gpu": 16_800, "multigpu": 21_100, "multigpu_torchrun": 20_400, "multinode": 21_100}
 
 

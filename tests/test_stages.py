@@ -53,10 +53,12 @@ def test_same_model_at_every_scale(reference_runs):
             assert abs(loss - loss0) < 2e-3 and abs(acc - acc0) < 5e-3, (stage, logs)
 
 
-def test_gradient_accumulation_gives_the_same_model(reference_runs, runs):
-    """Global batch 64 as 2 processes x 8 x 4 micro-batches (DDP's no_sync but at updates):
-    the model of single_gpu.py --batch_size 64, and the log says the global batch."""
-    cwd, run = runs["accumulate"]
+@pytest.mark.parametrize("name", ["accumulate", "one-process"])
+def test_gradient_accumulation_gives_the_same_model(reference_runs, runs, name):
+    """Global batch 64 as 2 processes x 8 x 4 micro-batches (DDP's no_sync but at updates), and as
+    1 process x 16 x 4 under torchrun (no DDP: one process has no gradients to all-reduce): the
+    model of single_gpu.py --batch_size 64, and the log says the global batch."""
+    cwd, run = runs[name]
     assert run.returncode == 0, run.output
     assert [e[4] for e in run.epochs()] == [64] * EPOCHS, run.output
     reference = load(reference_runs["single_gpu"][0] / f"snapshot.pt.epoch{EPOCHS}")
