@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--batches", default="32,256", help="batch sizes (32,256)")
     parser.add_argument("--precisions", default="fp32,bf16", help="(fp32,bf16)")
     parser.add_argument("--compile", action="store_true", help="--compile in every run")
-    parser.add_argument("--epochs", type=int, default=3, help="per stage run; the 1st is left out")
+    parser.add_argument("--epochs", type=int, default=6, help="per run; the 1st is left out (6)")
     parser.add_argument("--steps", type=int, default=50, help="bare steps per timing (50)")
     parser.add_argument("--warmup", type=int, default=10, help="bare steps before timing (10)")
     parser.add_argument("--workers", type=int, help="loader processes (GPU: 8, CPU: 0)")
