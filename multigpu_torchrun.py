@@ -318,6 +318,8 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     try:
         train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
         model = build_model(args.arch, classes, args.image_size)
+        if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
+            raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
     except ValueError as e:  # bad input: one line for the job, not a traceback
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
     device = setup(local_rank, global_rank)

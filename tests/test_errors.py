@@ -71,6 +71,7 @@ def workdir(tmp_path, monkeypatch):
         (["2", "1", "--augment", "flip"], "--augment needs --data_dir"),
         (["2", "1", "--arch", "vit_b_16"], "--arch vit_b_16 cannot take --image_size 32"),
         (["2", "1", "--image_size", "2"], "--arch convnet cannot take --image_size 2"),
+        (["2", "1", "--arch", "resnet18", "--batch_size", "1"], "use --batch_size 2 or more"),
     ],
 )
 def test_bad_arguments(workdir, monkeypatch, args, expected):
