@@ -379,9 +379,10 @@ if __name__ == "__main__":
         parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
     args.total_epochs = args.epochs or args.total_epochs
     args.save_every = args.every or args.save_every
-    with socket.socket() as s:  # a free port: runs never collide
-        s.bind(("localhost", 0))
-        os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(s.getsockname()[1]))
+    port = socket.socket()  # a free port, held for the job: no other program can take it
+    port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rank 0 listens on it too
+    port.bind(("localhost", 0))
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port.getsockname()[1]))
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(args.world_size)  # as torchrun
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank from the terminal
     ranks = torch.multiprocessing.spawn(main, args=(args,), nprocs=args.world_size, join=False)

@@ -42,12 +42,23 @@ TEST_HOOKS = (
     "EXIT_WORKERS",
     "TORCH_DISABLE_SHARE_RDZV",
     "MASTER_",
+    "TAKE_PORT",
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+HELD_PORTS = []
+
+
+def free_port(hold: bool = False) -> int:
+    """A port that no process listens on; hold=True: bound until the session ends, so that no
+    other program takes it before torchrun's store listens on it (as `python multigpu.py`)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, hold)
+    s.bind(("127.0.0.1", 0))
+    if hold:
+        HELD_PORTS.append(s)
+        return s.getsockname()[1]
+    with s:
         return s.getsockname()[1]
 
 
@@ -130,7 +141,7 @@ def start(
     env = env or stage_env()
     if "--snapshot_path" not in args:  # one name in every stage's folder: the tests compare them
         args = [*args, "--snapshot_path", "snapshot.pt"]
-    endpoint = f"{host}:{free_port()}"
+    endpoint = f"{host}:{free_port(hold=True)}"
     nodes = [0, 1] if stage == "multinode" and nproc else [None]
     cwds = node_cwds or (cwd, cwd)
     return [
@@ -492,6 +503,8 @@ def runs(tmp_path_factory):
         cwd = folder(f"exit-{stage}")
         env = stage_env(EXIT_HOOKS=str(cwd), EXIT_WORKERS=str(cwd))
         env.pop("PYTHONUNBUFFERED")
+        if stage == "multigpu":  # another program tries to take the launcher's port
+            env["TAKE_PORT"] = str(cwd)
         host = "[::1]" if stage == "multinode" else "127.0.0.1"
         args = ["--total_epochs", epochs, "--save_every", epochs, "--workers", 2, *more]
         runs.start(f"exit-{stage}", cwd, stage=stage, args=args, env=env, host=host)

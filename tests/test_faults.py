@@ -69,6 +69,14 @@ def test_workers_stop_when_their_launcher_dies(runs, stage):
     assert 1 <= snapshot["epoch"] < 400 and snapshot["model"]
 
 
+def test_the_launchers_port_stays_its_own(runs):
+    """python multigpu.py holds the free port it picked for the job: a program that tries to bind
+    it while the ranks start (seconds: each imports torch) cannot, and the run trains."""
+    cwd, run = runs["exit-multigpu"]
+    assert (cwd / "port-held").exists() and not (cwd / "port-taken").exists(), run.output
+    assert run.returncode == 0 and run.epochs(), run.output
+
+
 @pytest.mark.parametrize("stage", ["multigpu", "multinode"])  # torchrun's stages end alike
 def test_user_exit_code_runs_in_every_process(runs, stage):
     """An atexit handler and an unflushed print, as a user adds them, with stdout not a terminal:

@@ -18,6 +18,8 @@ themselves carry no test hooks:
   FAULT_SAVE_FROM=N               ...from the N-th save of the process on (1)
   FAULT_SIGNAL=NAME:WHEN          rank 0 sends itself signal NAME once: WHEN is step:N (after its
                                   N-th optimizer step) or save (as its first save starts)
+  TAKE_PORT=DIR                   as rank 0 starts its process group, another program takes
+                                  MASTER_PORT if it can: it writes DIR/port-taken or DIR/port-held
 """
 
 import os
@@ -54,6 +56,29 @@ if os.environ.get("EXIT_WORKERS"):
         return batches
 
     DataLoader.__iter__ = _iterate_and_watch
+
+if os.environ.get("TAKE_PORT"):
+    import socket
+
+    import torch.distributed as dist
+
+    _init_process_group, _taken = dist.init_process_group, []
+
+    def init_process_group(*args, **kwargs):
+        """As a program that binds the port between the launcher's choice and rank 0's store."""
+        if kwargs.get("rank") == 0:
+            other = socket.socket()
+            try:
+                other.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+                other.listen()
+                _taken.append(other)
+                result = "taken"
+            except OSError:
+                result = "held"
+            open(os.path.join(os.environ["TAKE_PORT"], f"port-{result}"), "w").close()
+        return _init_process_group(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
 
 HOOKS = ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR", "FAULT_SAVE")
 if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIGNAL"):
