@@ -380,5 +380,6 @@ if __name__ == "__main__":
         sys.exit(f"error: start {os.path.basename(__file__)} with torchrun (see its first lines)")
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
     if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # README
-        sys.exit("error: with --max-restarts, run TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun")
+        error = "error: with --max-restarts, run TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun"
+        sys.exit(error if os.environ["RANK"] == "0" else 1)
     main(int(os.environ["LOCAL_RANK"]), args)

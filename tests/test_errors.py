@@ -87,7 +87,7 @@ def test_torchrun_scripts_started_with_python_say_how_to_launch(workdir, monkeyp
 @pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
 def test_restarts_over_torchruns_shared_store_are_refused(workdir, monkeypatch, stage):
     """What torchrun --max-restarts=1 sets without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
-    for name, value in (("LOCAL_RANK", "0"), ("TORCHELASTIC_MAX_RESTARTS", "1")):
+    for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("TORCHELASTIC_MAX_RESTARTS", "1")):
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     message = run_in_process(stage, ["2", "1"], monkeypatch)
