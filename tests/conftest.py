@@ -55,11 +55,12 @@ def free_port(hold: bool = False) -> int:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, hold)
     s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
     if hold:
         HELD_PORTS.append(s)
-        return s.getsockname()[1]
-    with s:
-        return s.getsockname()[1]
+    else:
+        s.close()
+    return port
 
 
 def stage_env(**extra: str) -> dict:
