@@ -306,7 +306,8 @@ def prepare_dataloaders(
     load.update(worker_init_fn=ignore_stop_signals)
     sampler = EpochSampler(train_set, seed=args.seed)
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
-    one_left = len(sampler) % args.batch_size == 1  # BatchNorm cannot train on one sample
+    # BatchNorm cannot train on one sample: a last batch of one is left out, if not the only one.
+    one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
 

@@ -16,7 +16,7 @@ README = (REPO / "README.md").read_text()
 # Changed lines to the next stage, and bytes: the figures of today's stages, so that they cannot
 # grow unnoticed (the house style asks for 55 / 25 / 12 and 12,000 / 15,000 bytes: not met).
 LIMITS = {"single_gpu": 109, "multigpu": 34, "multigpu_torchrun": 12}
-BYTES = {"single_gpu": 16_950, "multigpu": 21_400, "multigpu_torchrun": 20_650, "multinode": 21_350}
+BYTES = {"single_gpu": 17_050, "multigpu": 21_550, "multigpu_torchrun": 20_750, "multinode": 21_450}
 
 
 def changed_lines(a: str, b: str) -> int:

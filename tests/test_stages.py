@@ -1,10 +1,12 @@
 """Every stage trains for real, computes the same model, and resumes exactly (CPU + gloo)."""
 
+import argparse
 import importlib.util
 import json
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from conftest import (
     EPOCHS,
@@ -140,6 +142,16 @@ def test_cifar10_recipe_flags(runs):
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1, 2], run.output
     assert "Warning" not in run.output and "Traceback" not in run.output, run.output
     assert "fc.weight" in load(cwd / "snapshot.pt")["model"]
+
+
+def test_a_last_batch_of_one_is_left_out_unless_it_is_the_only_one():
+    """BatchNorm cannot train on one sample; a folder of one image (a rank's share of two, at
+    two ranks) still trains on it: nothing trained made the epoch's line divide by zero."""
+    args = argparse.Namespace(workers=0, batch_size=2, seed=0)
+    for samples, batches in ((5, [2, 2]), (4, [2, 2]), (1, [1])):
+        data = TensorDataset(torch.zeros(samples, 1), torch.zeros(samples))
+        train_data, _ = single_gpu().prepare_dataloaders(data, data, args, gpu=False)
+        assert [len(targets) for _, targets in train_data] == batches
 
 
 def test_arch_takes_a_torchvision_model():
