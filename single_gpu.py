@@ -306,8 +306,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def integer(text: str, least: int = 1) -> int:
-    if not text.isdigit() or int(text) < least:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+    if not text.isdigit() or not least <= int(text) < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer in [{least}, 2**32), got {text!r}")
     return int(text)
 
 
@@ -321,7 +321,7 @@ if __name__ == "__main__":
     add("--batch_size", type=integer, default=32)
     add("--grad_accum", type=integer, default=1)
     add("--lr", type=float, default=3e-3)
-    add("--seed", type=int, default=0)
+    add("--seed", type=lambda text: integer(text, 0), default=0)
     add("--snapshot_path", default=os.path.basename(__file__).replace(".py", ".pt"))
     add("--data_dir")
     add("--image_size", type=integer, default=32)

@@ -66,6 +66,8 @@ def workdir(tmp_path, monkeypatch):
         (["2", "1", "--lr", "-1"], "argument --lr: expected a number > 0"),
         (["2", "1", "--lr", "nan"], "argument --lr: expected a number > 0"),
         (["2", "1", "--workers", "-1"], "--workers"),
+        (["2", "1", "--seed", "-1"], "--seed"),
+        (["2", "1", "--seed", str(2**64)], "argument --seed: expected an integer in [0, 2**32)"),
         (["2", "1", "--precision", "fp16"], "--precision"),
         (["2", "1", "--augment", "rotate"], "--augment"),
         (["2", "1", "--augment", "flip"], "--augment needs --data_dir"),
@@ -170,7 +172,7 @@ def test_googlenet_is_refused_in_one_line(workdir, monkeypatch):
     [
         (["--batch_size", "16"], "batch 64, not 16"),  # the reference's global batch: 64
         (["--total_epochs", "5", "--batch_size", "64", "--lr", "0.001"], "lr 0.003, not 0.001"),
-        (["--batch_size", "64", "--seed", "-1"], "seed 0, not -1"),
+        (["--batch_size", "64", "--seed", "1"], "seed 0, not 1"),
         (["--batch_size", "32", "--grad_accum", "2", "--arch", "resnet18"], "arch convnet, not"),
     ],
 )
