@@ -62,7 +62,8 @@ if os.environ.get("TAKE_PORT"):
 
     import torch.distributed as dist
 
-    _init_process_group, _taken = dist.init_process_group, []
+    _init_process_group = dist.init_process_group
+    _taken = []  # the other program's socket, kept open while the run starts
 
     def init_process_group(*args, **kwargs):
         """As a program that binds the port between the launcher's choice and rank 0's store."""
