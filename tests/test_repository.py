@@ -1,6 +1,7 @@
 """The stages' measures of readability hold, and every figure the README states about the code
 is the code's."""
 
+import argparse
 import ast
 import io
 import itertools
@@ -9,6 +10,8 @@ import subprocess
 import tokenize
 
 import pytest
+import torch
+from torch.utils.data import TensorDataset
 
 from conftest import EPOCH_LINE, REPO, STAGES, single_gpu
 
@@ -103,7 +106,18 @@ def test_the_flags_table_states_the_defaults():
         elif f'add("{flag}", action="store_true"' in source:
             assert stated.strip() == "off", flag
     assert rows["--workers"].strip() == "GPU: 8, CPU: 0"
-    assert "workers = min(8, torch.get_num_threads()) * gpu if args.workers is None" in source
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 8 on this machine's 2 cores
+@pytest.mark.parametrize("gpu, threads, workers", [(True, 16, 8), (True, 2, 2), (False, 16, 0)])
+def test_the_loader_workers_by_default(monkeypatch, gpu, threads, workers):
+    """As the flags table says: 8 a process on GPUs, at most its share of the cores (setup() sets
+    its threads to it), and none on the CPU."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    args = argparse.Namespace(workers=None, batch_size=2, seed=0)
+    data = TensorDataset(torch.zeros(4, 1), torch.zeros(4))
+    train_data, val_data = single_gpu().prepare_dataloaders(data, data, args, gpu)
+    assert train_data.num_workers == val_data.num_workers == workers
 
 
 def test_the_other_figures_the_readme_states():
