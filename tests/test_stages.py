@@ -4,6 +4,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import sys
 import time
 import types
 
@@ -157,6 +158,17 @@ def test_a_last_batch_of_one_is_left_out_unless_it_is_the_only_one():
         assert [len(targets) for _, targets in train_data] == batches
 
 
+def small_trainer(stage, tmp_path) -> object:
+    """The stage's Trainer on 8 random images at batch 2, 4 steps in its one epoch, on the CPU."""
+    flags = dict(total_epochs=1, save_every=1, batch_size=2, grad_accum=1, lr=3e-3, seed=0)
+    flags.update(workers=0, compile=False, precision="fp32")
+    args = argparse.Namespace(**flags, snapshot_path=str(tmp_path / "snapshot.pt"))
+    data = TensorDataset(torch.randn(8, 3, 32, 32), torch.arange(8) % 10)
+    train_data, val_data = stage.prepare_dataloaders(data, data, args, gpu=False)
+    model = stage.build_model("convnet", 10, 32)
+    return stage.Trainer(model, train_data, val_data, torch.device("cpu"), args, {"batch": 2})
+
+
 def test_a_long_epoch_says_how_far_it_is(tmp_path, monkeypatch, capsys):
     """Inside an epoch, rank 0 prints `epoch N: step S of T` when 30 s have passed since the last
     such line (README): here each reading of the clock is 16 s after the one before."""
@@ -164,17 +176,34 @@ def test_a_long_epoch_says_how_far_it_is(tmp_path, monkeypatch, capsys):
     clock = itertools.count(0, 16)
     fake_time = types.SimpleNamespace(monotonic=lambda: next(clock), perf_counter=time.perf_counter)
     monkeypatch.setattr(stage, "time", fake_time)  # this module's clock only: runs go on beside
-    flags = dict(total_epochs=1, save_every=1, batch_size=2, grad_accum=1, lr=3e-3, seed=0)
-    flags.update(workers=0, compile=False, precision="fp32")
-    args = argparse.Namespace(**flags, snapshot_path=str(tmp_path / "snapshot.pt"))
-    data = TensorDataset(torch.randn(8, 3, 32, 32), torch.arange(8) % 10)
-    train_data, val_data = stage.prepare_dataloaders(data, data, args, gpu=False)
-    model = stage.build_model("convnet", 10, 32)
-    trainer = stage.Trainer(model, train_data, val_data, torch.device("cpu"), args, {"batch": 2})
-    assert trainer.train() == 0
+    assert small_trainer(stage, tmp_path).train() == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["  epoch 1: step 2 of 4", "  epoch 1: step 4 of 4"], lines
     assert len(lines) == 3 and lines[2].startswith("Epoch 1 | loss "), lines
+
+
+def test_no_step_waits_for_the_device(tmp_path, monkeypatch):
+    """On a GPU, reading a tensor on the host waits for the GPU to catch up. The stage reads its
+    tensors twice an epoch, after it (loss and accuracy), and never inside a step. The
+    distributed stages add one read a step: the stop check's CPU tensor, a step old."""
+    stage = single_gpu()
+    trainer = small_trainer(stage, tmp_path)
+    reads = []
+
+    def counting(name: str):
+        read = getattr(torch.Tensor, name)
+
+        def counted(tensor, *args):
+            if sys._getframe(1).f_code.co_filename == stage.__file__:  # the stage's own reads
+                reads.append(name)
+            return read(tensor, *args)
+
+        return counted
+
+    for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    assert trainer.train() == 0
+    assert reads == ["__float__", "__float__"], reads
 
 
 def test_arch_takes_a_torchvision_model():
