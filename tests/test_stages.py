@@ -193,10 +193,10 @@ def test_no_step_waits_for_the_device(tmp_path, monkeypatch):
     def counting(name: str):
         read = getattr(torch.Tensor, name)
 
-        def counted(tensor, *args):
+        def counted(tensor, *args, **kwargs):
             if sys._getframe(1).f_code.co_filename == stage.__file__:  # the stage's own reads
                 reads.append(name)
-            return read(tensor, *args)
+            return read(tensor, *args, **kwargs)
 
         return counted
 
