@@ -1,13 +1,14 @@
 """Stage 3 of 4, torchrun: torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10
 
-50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after an optimizer step, saved;
-the same command resumes it. The next stages add distribution only.
+50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
+command resumes it. The next stages add distribution only.
 """
 
 import argparse
 import atexit
 import contextlib
 import itertools
+import math
 import os
 import signal
 import sys
@@ -20,28 +21,31 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-# Clusters stop jobs with signals: SIGTERM to preempt, SIGUSR1 before a time limit (not Windows).
+# SIGTERM: preemption; SIGUSR1: a time limit is near (not Windows).
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
 stop_signals: list[int] = []
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
-    """Stop after the optimizer step; a second Ctrl-C ends the process at once."""
+    """Stop after the optimizer step; after a Ctrl-C, the next stop signal ends it at once."""
     stop_signals.append(signum)
     if signum == signal.SIGINT:
-        signal.signal(signum, signal.SIG_DFL)
+        for stop in STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_DFL)
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """Loader workers leave stopping to their training process."""
+def start_loader_worker(worker_id: int) -> None:
+    """Stops are for the training process; the worker dies with it."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too: test_stop.py
 
 
 def setup(local_rank: int, global_rank: int) -> torch.device:
     """The one place that picks the hardware: a GPU, else the CPU."""
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-    torch.set_num_threads(max(1, os.cpu_count() // local_world_size))  # its share of the cores
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, cores // local_world_size))  # its share of the cores it may use
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL cannot share a GPU between processes
         error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
@@ -49,19 +53,19 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)
-        torch.set_float32_matmul_precision("high")  # float32 products on tensor cores (TF32)
-    backend = dist.get_default_backend_for_device(device)  # NCCL between GPUs, gloo between CPUs
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for float32
+    backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, gloo for CPUs
     dist.init_process_group(backend, rank=global_rank, device_id=device if gpus else None)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # Linux: dies with its launcher
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphans: test_faults.py
     return device
 
 
 def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Dataset, Dataset, int]:
-    """Train, val and the number of classes: built-in images, or DIR/{train,val}/CLASS/*."""
+    """Train, val and the number of classes: built-in, or DIR/{train,val}/CLASS/*."""
     if data_dir is None:
         if augment != "none":
             raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
-        g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, under noise
+        g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, noisy
         labels = torch.randint(10, (720,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size)
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, size, size, generator=g)
@@ -79,7 +83,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
         val = datasets.ImageFolder(f"{data_dir}/val", T.Compose(resize + to_tensor))
     except OSError as e:
         raise ValueError(
-            f"--data_dir {data_dir}: {e} (expected DIR/train/CLASS/, DIR/val/CLASS/)"
+            f"--data_dir {data_dir}: {e} (expected DIR/{{train,val}}/CLASS/)"
         ) from None
     if train.classes != val.classes:
         raise ValueError(f"--data_dir {data_dir}: train/ and val/ need the same class folders")
@@ -87,7 +91,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 
 class EpochSampler(DistributedSampler):
-    """The epoch's shuffle, drawn from the seed and the epoch, from its `start`-th sample on."""
+    """Shuffled by seed and epoch; from the `start`-th sample on (a resume)."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         super().__init__(dataset, seed=seed)
@@ -98,7 +102,7 @@ class EpochSampler(DistributedSampler):
 
 
 def build_model(arch: str, classes: int, size: int) -> nn.Module:
-    """convnet: a small CNN normalized per sample (GroupNorm), the same at any number of ranks."""
+    """convnet: a small CNN with GroupNorm, which is the same at any number of ranks."""
     if arch == "convnet":
         # fmt: off
         model = nn.Sequential(
@@ -114,7 +118,7 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    try:  # one image through: ViT takes 224 only, VGG 32 or more
+    try:  # ViT takes 224 only, VGG 32 or more
         with torch.no_grad():
             model.eval()(torch.zeros(1, 3, size, size))
     except (RuntimeError, AssertionError) as e:
@@ -123,35 +127,36 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
 
 
 def get_lr(step: int, steps: int, peak: float) -> float:
-    """At the middle of optimizer step `step` of `steps`: warm-up for 10%, then decay to 0."""
+    """Mid-step `step` of `steps`: a warm-up over 10% of them, then down to 0."""
     done = (step + 0.5) / steps
     return peak * min(done / 0.1, (1 - done) / 0.9)
 
 
-def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict) -> dict:
-    """Where training resumes ({"epoch", "samples", "loss_sum"}), or {"error": line}."""
+def load_snapshot(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict
+) -> tuple:
+    """Where to resume: (epochs done, samples and loss sum of the next)."""
     if not os.path.exists(path):
-        return {"epoch": 0, "samples": 0, "loss_sum": 0.0}
+        return 0, 0, 0.0
     try:
         snapshot = torch.load(path, map_location="cpu", weights_only=True)  # runs no code
         ran = snapshot.get("run", run)
         differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
         if differs:
-            error = f"{path} holds another run ({'; '.join(differs)})"
-            return {"error": f"error: {error}: give this one its own --snapshot_path"}
+            raise ValueError(f"it holds another run ({'; '.join(differs)}): give each its own path")
         model.load_state_dict(snapshot["model"])
-        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW, not the file's
+        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW
             group.update(fused=optimizer.defaults["fused"], foreach=None)
         optimizer.load_state_dict(snapshot["optimizer"])
     except Exception as e:
-        return {"error": f"error: cannot resume from {path}: {' '.join(str(e).split())[:200]}"}
-    return {key: snapshot.get(key, 0) for key in ("epoch", "samples", "loss_sum")}
+        raise ValueError(f"cannot resume from {path}: {' '.join(str(e).split())[:200]}") from None
+    return snapshot["epoch"], snapshot.get("samples", 0), snapshot.get("loss_sum", 0.0)
 
 
 def save_snapshot(path: str, snapshot: dict) -> bool:
     """Written beside the last one, then renamed over it: a crash or a full disk keeps the last."""
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # --snapshot_path runs/a.pt
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(f"{path}.tmp", "wb") as f:
             torch.save(snapshot, f)
             os.fsync(f.fileno())
@@ -165,8 +170,15 @@ def save_snapshot(path: str, snapshot: dict) -> bool:
 
 
 class Trainer:
-    def __init__(self, model: nn.Module, train_data: DataLoader, val_data: DataLoader,
-                 device: torch.device, args: argparse.Namespace, run: dict) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: DataLoader,
+        val_data: DataLoader,
+        device: torch.device,
+        args: argparse.Namespace,
+        run: dict,
+    ) -> None:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), args.lr, fused=device.type == "cuda")
         self.train_data = train_data
@@ -175,29 +187,28 @@ class Trainer:
         self.args = args
         self.run = run
         self.global_rank = dist.get_rank()
-        self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
+        try:
+            self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
+        except ValueError as e:
+            self.resume = str(e)  # said after the gather
         loaded = [None] * dist.get_world_size()
-        dist.all_gather_object(loaded, self.resume)  # every rank resumes from the same place
+        dist.all_gather_object(loaded, self.resume)  # all resume from one place
         if loaded != [loaded[0]] * len(loaded):
-            error = f"error: ranks resume from different snapshots: share {args.snapshot_path}"
-            self.resume = {"error": error}
-        if "error" in self.resume:
+            self.resume = f"ranks resume from different snapshots: share {args.snapshot_path}"
+        if isinstance(self.resume, str):
             dist.destroy_process_group()
-            sys.exit(self.resume["error"] if self.global_rank == 0 else 1)
-        # Stops and saves agree on a group of CPU tensors: no step waits for its GPU.
-        self.cpu_group = dist.new_group(backend="gloo")
-        self.noted = torch.tensor(0)
-        self.stop_check = dist.all_reduce(self.noted, group=self.cpu_group, async_op=True)
-        self.train_model = model  # what the training step calls; the rest uses the model
-        if args.compile:
-            # CUDA graphs launch a step at once, but a replay would overwrite summed gradients.
+            sys.exit(f"error: {self.resume}" if self.global_rank == 0 else 1)
+        self.cpu_group = dist.new_group(backend="gloo")  # stops, saves: no GPU waits
+        self.stop = torch.tensor(0)
+        self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
+        self.train_model = model
+        if args.compile:  # CUDA graphs launch steps at once; replays overwrite summed gradients
             mode = "reduce-overhead" if args.grad_accum == 1 else None
             self.train_model = torch.compile(self.train_model, mode=mode)
         if dist.get_world_size() > 1:  # DDP all-reduces gradients; compiled first, as nanoGPT
             self.train_model = nn.parallel.DistributedDataParallel(self.train_model)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
-        """Rank 0 writes the snapshot; False if it could not."""
         saved = True
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
@@ -212,7 +223,7 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # The mean over the global batch, whatever the micro-batch and the number of ranks.
+        # The global batch's mean, at any micro-batch and number of ranks.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
@@ -220,15 +231,17 @@ class Trainer:
         """From the epoch's `samples`-th sample on: loss sum, samples, stop signal or 0."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        # Resumed: after the last step trained, a short last one too.
-        first = -(-samples // (sampler.num_replicas * self.args.batch_size))
+        # Resumed: after the last step trained (a short one too).
+        first = math.ceil(samples / (sampler.num_replicas * self.args.batch_size))
         sampler.start = first * self.args.batch_size
         steps = len(self.train_data)
-        updates = -(-steps // self.args.grad_accum)
+        updates = math.ceil(steps / self.args.grad_accum)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
+            # Dropout: seeded by rank and step; a resume draws the same
+            torch.manual_seed(hash((self.args.seed, self.global_rank, epoch, step)))
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
             sync = update or dist.get_world_size() == 1  # DDP all-reduces at updates only
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
@@ -241,10 +254,10 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             # The ranks agree a step later, while the next step computes: all stop after it.
-            self.stop_check.wait()
-            stopped = int(self.noted)
-            self.noted = torch.tensor(stop_signals[0] if stop_signals else 0)
-            self.stop_check = dist.all_reduce(self.noted, dist.ReduceOp.MAX, self.cpu_group, True)
+            self.vote.wait()
+            stopped = int(self.stop)
+            self.stop = torch.tensor(stop_signals[0] if stop_signals else 0)
+            self.vote = dist.all_reduce(self.stop, dist.ReduceOp.MAX, self.cpu_group, async_op=True)
             if stopped:
                 return loss_sum, min(len(sampler), (step + 1) * self.args.batch_size), stopped
             if self.global_rank == 0 and time.monotonic() > report:
@@ -252,28 +265,18 @@ class Trainer:
                 report = time.monotonic() + 30
         return loss_sum, min(len(sampler), steps * self.args.batch_size), 0
 
-    def _evaluate(self, val_batches: Iterator) -> tuple[torch.Tensor, int]:
-        """This rank's correct answers and samples."""
-        self.model.eval()
-        correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        with torch.no_grad():
-            for source, targets in val_batches:
-                outputs = self.model(source.to(self.device, non_blocking=True))
-                correct += (outputs.argmax(1) == targets.to(self.device)).sum()
-        return correct, len(self.val_data.dataset)
-
     def train(self) -> int:
         """0 at the end; 128 + the signal at a stop, saved; 1 if a save failed."""
-        epochs_run, skipped, loss_saved = self.resume.values()
+        epochs_run, skipped, loss_saved = self.resume
         if epochs_run >= self.args.total_epochs and self.global_rank == 0:
             print(f"{self.args.snapshot_path}: epoch {epochs_run} done already, nothing to train")
         for epoch in range(epochs_run, self.args.total_epochs):
             began = time.perf_counter()
-            val_batches = iter(self.val_data)  # its workers load them while the epoch trains
+            val_batches = iter(self.val_data)  # loaded while the epoch trains
             loss_sum, samples, stopped = self._run_epoch(epoch, skipped)
-            correct, evaluated = (0, 0) if stopped else self._evaluate(val_batches)
-            figures = [float(loss_sum), samples, float(correct), evaluated]
-            figures = torch.tensor(figures, dtype=torch.float64)
+            correct = 0 if stopped else evaluate(self.model, val_batches, self.device)
+            evaluated = len(self.val_data.dataset)
+            figures = torch.tensor([loss_sum, samples, correct, evaluated], dtype=torch.float64)
             dist.all_reduce(figures, group=self.cpu_group)  # summed over the ranks
             loss_sum, samples, correct, evaluated = figures.tolist()
             loss_sum += loss_saved
@@ -296,16 +299,28 @@ class Trainer:
         return 0
 
 
+@torch.no_grad()
+def evaluate(model: nn.Module, val_batches: Iterator, device: torch.device) -> torch.Tensor:
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    for source, targets in val_batches:
+        outputs = model(source.to(device, non_blocking=True))
+        correct += (outputs.argmax(1) == targets.to(device)).sum()
+    return correct
+
+
 def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
-    """Loader processes prepare batches while a GPU computes; on a CPU, the cores compute."""
-    workers = min(8, torch.get_num_threads()) * gpu if args.workers is None else args.workers
+    """Loader processes prepare batches while a GPU computes; a CPU does both."""
+    workers = args.workers
+    if workers is None:
+        workers = min(8, torch.get_num_threads()) if gpu else 0
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
-    load.update(worker_init_fn=ignore_stop_signals)
+    load.update(worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
-    # BatchNorm cannot train on one sample: a last batch of one is left out, if not the only one.
+    # BatchNorm cannot train on one sample: a last batch of one is left out, but an only one.
     one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
@@ -314,64 +329,67 @@ def prepare_dataloaders(
 def main(local_rank: int, args: argparse.Namespace) -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, note_stop_signal)
-    global_rank = local_rank  # on one node, the rank in the job is the local rank
+    global_rank = local_rank  # on one node, the job's rank is the local rank
     torch.manual_seed(args.seed)
     try:
         train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
-    except ValueError as e:  # bad input: one line for the job, not a traceback
+    except ValueError as e:  # bad input: one line
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
     device = setup(local_rank, global_rank)
     if args.deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before cuBLAS starts: it reads it once
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read once, as cuBLAS starts
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
     model.to(device)
     if device.type == "cuda":  # BatchNorm statistics over all ranks
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # What decides the result: a snapshot of another run is refused, not resumed.
+    # What decides the result: another run's snapshot is refused.
     run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
     run.update(data=[classes, len(train_set), len(val_set), args.image_size])
     run["batch"] = args.batch_size * args.grad_accum * dist.get_world_size()
     train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
     trainer = Trainer(model, train_data, val_data, device, args, run)
     code = trainer.train()
-    del trainer, train_data, val_data  # their loader workers end now, before the exit functions
+    del trainer, train_data, val_data  # loader workers end before the exit functions
     dist.destroy_process_group()
-    atexit._run_exitfuncs()  # what Python's exit runs, but not past gloo's threads: README
+    atexit._run_exitfuncs()  # pytorch#107298 (gloo aborts exit); test_faults.py
     sys.stdout.flush()
     os._exit(code)
 
 
-def integer(text: str, least: int = 1) -> int:
+def natural(text: str, least: int = 0) -> int:
     if not text.isdigit() or not least <= int(text) < 2**32:
         raise argparse.ArgumentTypeError(f"expected an integer in [{least}, 2**32), got {text!r}")
     return int(text)
 
 
+def positive(text: str) -> int:
+    return natural(text, least=1)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    add = parser.add_argument
-    add("epochs", type=integer, nargs="?", help="as --total_epochs")  # positionals or flags
-    add("every", type=integer, nargs="?", help="as --save_every")
-    add("--total_epochs", type=integer, default=5)
-    add("--save_every", type=integer, default=5)
-    add("--batch_size", type=integer, default=32)
-    add("--grad_accum", type=integer, default=1)
-    add("--lr", type=float, default=3e-3)
-    add("--seed", type=lambda text: integer(text, 0), default=0)
-    add("--snapshot_path", default=os.path.basename(__file__).replace(".py", ".pt"))
-    add("--data_dir")
-    add("--image_size", type=integer, default=32)
-    add("--augment", default="none", choices=["none", "crop", "flip", "crop+flip"])
-    add("--arch", default="convnet")
-    add("--precision", default="fp32", choices=["fp32", "bf16"])
-    add("--deterministic", action="store_true")
-    add("--compile", action="store_true")
-    add("--workers", type=lambda text: integer(text, 0))
-    add("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)  # the legacy launcher's
+    parser.add_argument("epochs", type=positive, nargs="?")
+    parser.add_argument("every", type=positive, nargs="?")
+    parser.add_argument("--total_epochs", type=positive, default=5)
+    parser.add_argument("--save_every", type=positive, default=5)
+    parser.add_argument("--batch_size", type=positive, default=32)
+    parser.add_argument("--grad_accum", type=positive, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=natural, default=0)
+    parser.add_argument("--snapshot_path", default=os.path.basename(__file__).replace(".py", ".pt"))
+    parser.add_argument("--data_dir")
+    parser.add_argument("--image_size", type=positive, default=32)
+    parser.add_argument("--augment", default="none", choices=["none", "crop", "flip", "crop+flip"])
+    parser.add_argument("--arch", default="convnet")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--workers", type=natural)
+    parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not 0 < args.lr < float("inf"):
         parser.error(f"argument --lr: expected a number > 0, got {args.lr}")

@@ -1,12 +1,13 @@
 """Stage 1 of 4, one process on one GPU or the CPU: python single_gpu.py 50 10
 
-50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after an optimizer step, saved;
-the same command resumes it. The next stages add distribution only.
+50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
+command resumes it. The next stages add distribution only.
 """
 
 import argparse
 import contextlib
 import itertools
+import math
 import os
 import signal
 import sys
@@ -18,22 +19,24 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
-# Clusters stop jobs with signals: SIGTERM to preempt, SIGUSR1 before a time limit (not Windows).
+# SIGTERM: preemption; SIGUSR1: a time limit is near (not Windows).
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
 stop_signals: list[int] = []
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
-    """Stop after the optimizer step; a second Ctrl-C ends the process at once."""
+    """Stop after the optimizer step; after a Ctrl-C, the next stop signal ends it at once."""
     stop_signals.append(signum)
     if signum == signal.SIGINT:
-        signal.signal(signum, signal.SIG_DFL)
+        for stop in STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_DFL)
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """Loader workers leave stopping to their training process."""
+def start_loader_worker(worker_id: int) -> None:
+    """Stops are for the training process; the worker dies with it."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too: test_stop.py
 
 
 def setup() -> torch.device:
@@ -41,16 +44,16 @@ def setup() -> torch.device:
     gpus = torch.cuda.device_count()
     device = torch.device("cuda") if gpus else torch.device("cpu")
     if gpus:
-        torch.set_float32_matmul_precision("high")  # float32 products on tensor cores (TF32)
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for float32
     return device
 
 
 def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Dataset, Dataset, int]:
-    """Train, val and the number of classes: built-in images, or DIR/{train,val}/CLASS/*."""
+    """Train, val and the number of classes: built-in, or DIR/{train,val}/CLASS/*."""
     if data_dir is None:
         if augment != "none":
             raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
-        g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, under noise
+        g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, noisy
         labels = torch.randint(10, (720,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size)
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, size, size, generator=g)
@@ -68,7 +71,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
         val = datasets.ImageFolder(f"{data_dir}/val", T.Compose(resize + to_tensor))
     except OSError as e:
         raise ValueError(
-            f"--data_dir {data_dir}: {e} (expected DIR/train/CLASS/, DIR/val/CLASS/)"
+            f"--data_dir {data_dir}: {e} (expected DIR/{{train,val}}/CLASS/)"
         ) from None
     if train.classes != val.classes:
         raise ValueError(f"--data_dir {data_dir}: train/ and val/ need the same class folders")
@@ -76,7 +79,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 
 class EpochSampler(RandomSampler):
-    """The epoch's shuffle, drawn from the seed and the epoch, from its `start`-th sample on."""
+    """Shuffled by seed and epoch; from the `start`-th sample on (a resume)."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         super().__init__(dataset, generator=torch.Generator())
@@ -91,7 +94,7 @@ class EpochSampler(RandomSampler):
 
 
 def build_model(arch: str, classes: int, size: int) -> nn.Module:
-    """convnet: a small CNN normalized per sample (GroupNorm), the same at any number of ranks."""
+    """convnet: a small CNN with GroupNorm, which is the same at any number of ranks."""
     if arch == "convnet":
         # fmt: off
         model = nn.Sequential(
@@ -107,7 +110,7 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    try:  # one image through: ViT takes 224 only, VGG 32 or more
+    try:  # ViT takes 224 only, VGG 32 or more
         with torch.no_grad():
             model.eval()(torch.zeros(1, 3, size, size))
     except (RuntimeError, AssertionError) as e:
@@ -116,35 +119,36 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
 
 
 def get_lr(step: int, steps: int, peak: float) -> float:
-    """At the middle of optimizer step `step` of `steps`: warm-up for 10%, then decay to 0."""
+    """Mid-step `step` of `steps`: a warm-up over 10% of them, then down to 0."""
     done = (step + 0.5) / steps
     return peak * min(done / 0.1, (1 - done) / 0.9)
 
 
-def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict) -> dict:
-    """Where training resumes ({"epoch", "samples", "loss_sum"}), or {"error": line}."""
+def load_snapshot(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict
+) -> tuple:
+    """Where to resume: (epochs done, samples and loss sum of the next)."""
     if not os.path.exists(path):
-        return {"epoch": 0, "samples": 0, "loss_sum": 0.0}
+        return 0, 0, 0.0
     try:
         snapshot = torch.load(path, map_location="cpu", weights_only=True)  # runs no code
         ran = snapshot.get("run", run)
         differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
         if differs:
-            error = f"{path} holds another run ({'; '.join(differs)})"
-            return {"error": f"error: {error}: give this one its own --snapshot_path"}
+            raise ValueError(f"it holds another run ({'; '.join(differs)}): give each its own path")
         model.load_state_dict(snapshot["model"])
-        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW, not the file's
+        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW
             group.update(fused=optimizer.defaults["fused"], foreach=None)
         optimizer.load_state_dict(snapshot["optimizer"])
     except Exception as e:
-        return {"error": f"error: cannot resume from {path}: {' '.join(str(e).split())[:200]}"}
-    return {key: snapshot.get(key, 0) for key in ("epoch", "samples", "loss_sum")}
+        raise ValueError(f"cannot resume from {path}: {' '.join(str(e).split())[:200]}") from None
+    return snapshot["epoch"], snapshot.get("samples", 0), snapshot.get("loss_sum", 0.0)
 
 
 def save_snapshot(path: str, snapshot: dict) -> bool:
     """Written beside the last one, then renamed over it: a crash or a full disk keeps the last."""
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # --snapshot_path runs/a.pt
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(f"{path}.tmp", "wb") as f:
             torch.save(snapshot, f)
             os.fsync(f.fileno())
@@ -158,8 +162,15 @@ def save_snapshot(path: str, snapshot: dict) -> bool:
 
 
 class Trainer:
-    def __init__(self, model: nn.Module, train_data: DataLoader, val_data: DataLoader,
-                 device: torch.device, args: argparse.Namespace, run: dict) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: DataLoader,
+        val_data: DataLoader,
+        device: torch.device,
+        args: argparse.Namespace,
+        run: dict,
+    ) -> None:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), args.lr, fused=device.type == "cuda")
         self.train_data = train_data
@@ -168,17 +179,16 @@ class Trainer:
         self.args = args
         self.run = run
         self.global_rank = 0
-        self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
-        if "error" in self.resume:
-            sys.exit(self.resume["error"])
-        self.train_model = model  # what the training step calls; the rest uses the model
-        if args.compile:
-            # CUDA graphs launch a step at once, but a replay would overwrite summed gradients.
+        try:
+            self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        self.train_model = model
+        if args.compile:  # CUDA graphs launch steps at once; replays overwrite summed gradients
             mode = "reduce-overhead" if args.grad_accum == 1 else None
             self.train_model = torch.compile(self.train_model, mode=mode)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
-        """Rank 0 writes the snapshot; False if it could not."""
         saved = True
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
@@ -191,7 +201,7 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # The mean over the global batch, whatever the micro-batch and the number of ranks.
+        # The global batch's mean, at any micro-batch and number of ranks.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
@@ -199,15 +209,17 @@ class Trainer:
         """From the epoch's `samples`-th sample on: loss sum, samples, stop signal or 0."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        # Resumed: after the last step trained, a short last one too.
-        first = -(-samples // self.args.batch_size)
+        # Resumed: after the last step trained (a short one too).
+        first = math.ceil(samples / self.args.batch_size)
         sampler.start = first * self.args.batch_size
         steps = len(self.train_data)
-        updates = -(-steps // self.args.grad_accum)
+        updates = math.ceil(steps / self.args.grad_accum)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
+            # Dropout: seeded by rank and step; a resume draws the same
+            torch.manual_seed(hash((self.args.seed, self.global_rank, epoch, step)))
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
             loss_sum += self._run_batch(source, targets)
             if not update:
@@ -225,26 +237,17 @@ class Trainer:
                 report = time.monotonic() + 30
         return loss_sum, min(len(sampler), steps * self.args.batch_size), 0
 
-    def _evaluate(self, val_batches: Iterator) -> tuple[torch.Tensor, int]:
-        """This rank's correct answers and samples."""
-        self.model.eval()
-        correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        with torch.no_grad():
-            for source, targets in val_batches:
-                outputs = self.model(source.to(self.device, non_blocking=True))
-                correct += (outputs.argmax(1) == targets.to(self.device)).sum()
-        return correct, len(self.val_data.dataset)
-
     def train(self) -> int:
         """0 at the end; 128 + the signal at a stop, saved; 1 if a save failed."""
-        epochs_run, skipped, loss_saved = self.resume.values()
+        epochs_run, skipped, loss_saved = self.resume
         if epochs_run >= self.args.total_epochs and self.global_rank == 0:
             print(f"{self.args.snapshot_path}: epoch {epochs_run} done already, nothing to train")
         for epoch in range(epochs_run, self.args.total_epochs):
             began = time.perf_counter()
-            val_batches = iter(self.val_data)  # its workers load them while the epoch trains
+            val_batches = iter(self.val_data)  # loaded while the epoch trains
             loss_sum, samples, stopped = self._run_epoch(epoch, skipped)
-            correct, evaluated = (0, 0) if stopped else self._evaluate(val_batches)
+            correct = 0 if stopped else evaluate(self.model, val_batches, self.device)
+            evaluated = len(self.val_data.dataset)
             loss_sum = float(loss_sum) + loss_saved
             if stopped:
                 if not self._save_snapshot(epoch, int(samples), loss_sum):
@@ -265,15 +268,27 @@ class Trainer:
         return 0
 
 
+@torch.no_grad()
+def evaluate(model: nn.Module, val_batches: Iterator, device: torch.device) -> torch.Tensor:
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    for source, targets in val_batches:
+        outputs = model(source.to(device, non_blocking=True))
+        correct += (outputs.argmax(1) == targets.to(device)).sum()
+    return correct
+
+
 def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
-    """Loader processes prepare batches while a GPU computes; on a CPU, the cores compute."""
-    workers = min(8, torch.get_num_threads()) * gpu if args.workers is None else args.workers
+    """Loader processes prepare batches while a GPU computes; a CPU does both."""
+    workers = args.workers
+    if workers is None:
+        workers = min(8, torch.get_num_threads()) if gpu else 0
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
-    load.update(worker_init_fn=ignore_stop_signals)
+    load.update(worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
-    # BatchNorm cannot train on one sample: a last batch of one is left out, if not the only one.
+    # BatchNorm cannot train on one sample: a last batch of one is left out, but an only one.
     one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
@@ -288,15 +303,15 @@ def main(args: argparse.Namespace) -> int:
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
-    except ValueError as e:  # bad input: one line for the job, not a traceback
+    except ValueError as e:  # bad input: one line
         sys.exit(f"error: {e}")
     device = setup()
     if args.deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before cuBLAS starts: it reads it once
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read once, as cuBLAS starts
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
     model.to(device)
-    # What decides the result: a snapshot of another run is refused, not resumed.
+    # What decides the result: another run's snapshot is refused.
     run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
     run.update(data=[classes, len(train_set), len(val_set), args.image_size])
     run["batch"] = args.batch_size * args.grad_accum
@@ -305,32 +320,35 @@ def main(args: argparse.Namespace) -> int:
     return trainer.train()
 
 
-def integer(text: str, least: int = 1) -> int:
+def natural(text: str, least: int = 0) -> int:
     if not text.isdigit() or not least <= int(text) < 2**32:
         raise argparse.ArgumentTypeError(f"expected an integer in [{least}, 2**32), got {text!r}")
     return int(text)
 
 
+def positive(text: str) -> int:
+    return natural(text, least=1)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    add = parser.add_argument
-    add("epochs", type=integer, nargs="?", help="as --total_epochs")  # positionals or flags
-    add("every", type=integer, nargs="?", help="as --save_every")
-    add("--total_epochs", type=integer, default=5)
-    add("--save_every", type=integer, default=5)
-    add("--batch_size", type=integer, default=32)
-    add("--grad_accum", type=integer, default=1)
-    add("--lr", type=float, default=3e-3)
-    add("--seed", type=lambda text: integer(text, 0), default=0)
-    add("--snapshot_path", default=os.path.basename(__file__).replace(".py", ".pt"))
-    add("--data_dir")
-    add("--image_size", type=integer, default=32)
-    add("--augment", default="none", choices=["none", "crop", "flip", "crop+flip"])
-    add("--arch", default="convnet")
-    add("--precision", default="fp32", choices=["fp32", "bf16"])
-    add("--deterministic", action="store_true")
-    add("--compile", action="store_true")
-    add("--workers", type=lambda text: integer(text, 0))
+    parser.add_argument("epochs", type=positive, nargs="?")
+    parser.add_argument("every", type=positive, nargs="?")
+    parser.add_argument("--total_epochs", type=positive, default=5)
+    parser.add_argument("--save_every", type=positive, default=5)
+    parser.add_argument("--batch_size", type=positive, default=32)
+    parser.add_argument("--grad_accum", type=positive, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=natural, default=0)
+    parser.add_argument("--snapshot_path", default=os.path.basename(__file__).replace(".py", ".pt"))
+    parser.add_argument("--data_dir")
+    parser.add_argument("--image_size", type=positive, default=32)
+    parser.add_argument("--augment", default="none", choices=["none", "crop", "flip", "crop+flip"])
+    parser.add_argument("--arch", default="convnet")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--workers", type=natural)
     args = parser.parse_args()
     if not 0 < args.lr < float("inf"):
         parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
