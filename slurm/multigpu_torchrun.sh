@@ -5,7 +5,7 @@
 #   sbatch slurm/multigpu_torchrun.sh [total_epochs save_every flags...]   (default: 50 10)
 #   sbatch --gpus-per-node=0 slurm/multigpu_torchrun.sh                    (a CPU-only cluster)
 # Add what your site needs, e.g. #SBATCH --partition=NAME and #SBATCH --account=NAME.
-# Each process uses GPU LOCAL_RANK % (GPUs it sees): all of the node (here) or one each.
+# Process LOCAL_RANK uses GPU LOCAL_RANK: torchrun's processes see all of the node's GPUs.
 #SBATCH --job-name=multigpu_torchrun
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -17,7 +17,7 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 set -euo pipefail
-[ $# -gt 0 ] || set -- 50 10
+set -- --total_epochs 50 --save_every 10 "$@"  # the default 50 10: your arguments come after and win
 nproc=${SLURM_GPUS_ON_NODE:-0}
 [ "$nproc" -gt 0 ] || nproc=${CPU_PROCS:-2}
 # Restarted workers must not meet the dead ones' addresses in torchrun's shared store (pytorch/pytorch#135712).
@@ -26,7 +26,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
 # Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
 # saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
-snapshot=${SNAPSHOT:-snapshot.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
+snapshot=${SNAPSHOT:-multigpu_torchrun.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
 args=("$@")
 for i in "${!args[@]}"; do
     case ${args[i]} in
@@ -40,10 +40,15 @@ echo "Job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)) (requeued ${SL
 saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # opened: fresh on NFS too
 before=$(saved || true)
 trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
+trap 'ended=1' TERM  # Slurm ends the job (scancel, a preemption): the run stops and saves; so does this
 status=0
 srun torchrun --standalone --nproc_per_node="$nproc" --max-restarts=3 \
     multigpu_torchrun.py --snapshot_path "$snapshot" "$@" &
-wait $! || wait $! || status=$?  # again when the trap interrupted the first wait: the run's own status
+wait $! || wait $! || status=$?  # again when a trap interrupted the first wait: the run's own status
+if [ -n "${ended:-}" ]; then
+    echo "Ended by Slurm (SIGTERM to the job), its progress saved in $snapshot: submit it again to go on"
+    exit "$status"
+fi
 if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
     if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-20}" ]; then  # stopped early at every start
         echo "Stopped early with its progress saved in $snapshot, again: not requeued after ${MAX_REQUEUES:-20} requeues"

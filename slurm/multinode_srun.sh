@@ -8,7 +8,8 @@
 #   sbatch --gpus-per-node=0 --ntasks-per-node=2 slurm/multinode_srun.sh               (a CPU-only cluster)
 # The repository folder (the snapshot is written there) must be on storage every node sees.
 # Add what your site needs, e.g. #SBATCH --partition=NAME and #SBATCH --account=NAME.
-# Each task uses GPU SLURM_LOCALID % (GPUs it sees): all of a node (here) or its own (--gpus-per-task=1).
+# Task SLURM_LOCALID uses GPU SLURM_LOCALID, so each task must see all of its node's GPUs (--gpus-per-node, as
+# here; not --gpus-per-task=1, which shows a task one GPU).
 #SBATCH --job-name=multinode_srun
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4
@@ -20,7 +21,7 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 set -euo pipefail
-[ $# -gt 0 ] || set -- 50 10
+set -- --total_epochs 50 --save_every 10 "$@"  # the default 50 10: your arguments come after and win
 # The tasks meet at the first node of the allocation, on a port of this job's (two jobs on one node do not collide).
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
@@ -29,7 +30,7 @@ export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --label hostname  # which nodes the job spans
 # Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
 # saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
-snapshot=${SNAPSHOT:-snapshot.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
+snapshot=${SNAPSHOT:-multinode.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
 args=("$@")
 for i in "${!args[@]}"; do
     case ${args[i]} in
@@ -43,9 +44,14 @@ echo "Job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)) (requeued ${SL
 saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # opened: fresh on NFS too
 before=$(saved || true)
 trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
+trap 'ended=1' TERM  # Slurm ends the job (scancel, a preemption): the run stops and saves; so does this
 status=0
 srun --kill-on-bad-exit=1 python multinode.py --snapshot_path "$snapshot" "$@" &
-wait $! || wait $! || status=$?  # again when the trap interrupted the first wait: the run's own status
+wait $! || wait $! || status=$?  # again when a trap interrupted the first wait: the run's own status
+if [ -n "${ended:-}" ]; then
+    echo "Ended by Slurm (SIGTERM to the job), its progress saved in $snapshot: submit it again to go on"
+    exit "$status"
+fi
 if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
     if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-20}" ]; then  # stopped early at every start
         echo "Stopped early with its progress saved in $snapshot, again: not requeued after ${MAX_REQUEUES:-20} requeues"

@@ -14,10 +14,10 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 set -euo pipefail
-[ $# -gt 0 ] || set -- 50 10
+set -- --total_epochs 50 --save_every 10 "$@"  # the default 50 10: your arguments come after and win
 # Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
 # saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
-snapshot=${SNAPSHOT:-snapshot.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
+snapshot=${SNAPSHOT:-single_gpu.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
 args=("$@")
 for i in "${!args[@]}"; do
     case ${args[i]} in
@@ -31,9 +31,14 @@ echo "Job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)) (requeued ${SL
 saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # opened: fresh on NFS too
 before=$(saved || true)
 trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
+trap 'ended=1' TERM  # Slurm ends the job (scancel, a preemption): the run stops and saves; so does this
 status=0
 srun python single_gpu.py --snapshot_path "$snapshot" "$@" &
-wait $! || wait $! || status=$?  # again when the trap interrupted the first wait: the run's own status
+wait $! || wait $! || status=$?  # again when a trap interrupted the first wait: the run's own status
+if [ -n "${ended:-}" ]; then
+    echo "Ended by Slurm (SIGTERM to the job), its progress saved in $snapshot: submit it again to go on"
+    exit "$status"
+fi
 if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
     if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-20}" ]; then  # stopped early at every start
         echo "Stopped early with its progress saved in $snapshot, again: not requeued after ${MAX_REQUEUES:-20} requeues"
