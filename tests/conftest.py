@@ -43,6 +43,7 @@ TEST_HOOKS = (
     "TORCH_DISABLE_SHARE_RDZV",
     "MASTER_",
     "TAKE_PORT",
+    "RECORD_THREADS",
 )
 
 
@@ -64,11 +65,12 @@ def free_port(hold: bool = False) -> int:
 
 
 def stage_env(**extra: str) -> dict:
-    """CPU + gloo even on a GPU machine, and the test hooks of tests/faults, idle unless set."""
+    """CPU + gloo even on a GPU machine, and the test hooks of tests/faults, idle unless set.
+    Output is buffered, as a user's is when it goes to a file or a pipe (a Slurm log)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith((*TEST_HOOKS, "SLURM_"))}
+    env.pop("PYTHONUNBUFFERED", None)
     env.update(
         CUDA_VISIBLE_DEVICES="",
-        PYTHONUNBUFFERED="1",
         PYTHONPATH=str(REPO / "tests" / "faults"),
         OMP_WAIT_POLICY="PASSIVE",  # runs share the cores: idle threads sleep instead of spinning
     )
@@ -135,10 +137,11 @@ def start(
     nproc: int = 2,
     host: str = "127.0.0.1",
     launcher: list | None = None,
+    prefix: tuple = (),
 ) -> list[subprocess.Popen]:
     """Start a stage as a user does; multinode is two torchrun agents ("nodes") on this machine,
     meeting at `host` ("[::1]": IPv6). nproc=0: python SCRIPT, even for the torchrun stages;
-    launcher: that command in place of torchrun."""
+    launcher: that command in place of torchrun; prefix: a command before it (taskset -c 0)."""
     env = env or stage_env()
     if "--snapshot_path" not in args:  # one name in every stage's folder: the tests compare them
         args = [*args, "--snapshot_path", "snapshot.pt"]
@@ -147,9 +150,12 @@ def start(
     cwds = node_cwds or (cwd, cwd)
     return [
         subprocess.Popen(
-            stage_command(
-                stage, [str(a) for a in args], node, endpoint, torchrun_args, nproc, launcher
-            ),
+            [
+                *prefix,
+                *stage_command(
+                    stage, [str(a) for a in args], node, endpoint, torchrun_args, nproc, launcher
+                ),
+            ],
             cwd=cwds[i],
             env=env,
             stdout=subprocess.PIPE,
@@ -251,6 +257,24 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"])
 
 
+def max_moment_diff(a: dict, b: dict) -> float:
+    """The largest difference of AdamW's first moments (the mean gradient), relative to the
+    largest moment of that parameter in b. Parameters cannot show a wrong gradient scale (AdamW
+    divides it out); the moments carry it: a gradient twice too large differs by 1."""
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and sa
+    return max(
+        ((sa[p]["exp_avg"] - sb[p]["exp_avg"]).abs().max() / sb[p]["exp_avg"].abs().max()).item()
+        for p in sa
+    )
+
+
+def assert_same_model(a: dict, b: dict, params: float = 1e-4, moments: float = 0.02) -> None:
+    """The same parameters to rounding, and the same mean gradients."""
+    assert max_param_diff(a, b) <= params, max_param_diff(a, b)
+    assert max_moment_diff(a, b) <= moments, max_moment_diff(a, b)
+
+
 def assert_bitwise_equal(a: dict, b: dict) -> None:
     """Same model, same optimizer state, same epoch: to the last bit."""
     assert a["epoch"] == b["epoch"]
@@ -300,12 +324,17 @@ def write_bad_snapshot(path: Path, case: str) -> None:
 
 
 @functools.cache
-def single_gpu():
-    """single_gpu.py as a module, for its build_model() and load_datasets()."""
-    spec = importlib.util.spec_from_file_location("single_gpu", REPO / "single_gpu.py")
+def stage_module(stage: str):
+    """A stage script as a module (its __main__ block does not run)."""
+    spec = importlib.util.spec_from_file_location(stage, REPO / f"{stage}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def single_gpu():
+    """single_gpu.py as a module, for its build_model() and load_datasets()."""
+    return stage_module("single_gpu")
 
 
 def write_snapshot(path: Path, epoch: int) -> None:
@@ -453,11 +482,21 @@ def runs(tmp_path_factory):
     # torch still has it (deprecated since torch 1.9): test_stages.py.
     args = [EPOCHS, EPOCHS, "--batch_size", 8, "--grad_accum", 4]  # 2 processes x 8 x 4
     launcher = LEGACY_LAUNCHER if importlib.util.find_spec("torch.distributed.launch") else None
-    cwd = folder("accumulate")
+    cwd = folder("accumulate")  # without the launcher: torchrun, and its test is skipped
     runs.start("accumulate", cwd, stage="multigpu_torchrun", args=args, launcher=launcher)
-    # The same from one process under torchrun, which trains without DDP: test_stages.py.
+    # The same from one process under torchrun, which trains without DDP (test_stages.py), in a
+    # CPU set of one core, as Slurm gives a job (taskset -c 0): each process's threads recorded.
     args = [EPOCHS, EPOCHS, "--batch_size", 16, "--grad_accum", 4]  # 1 process x 16 x 4
-    runs.start("one-process", folder("one-process"), stage="multigpu_torchrun", args=args, nproc=1)
+    cwd = folder("one-process")
+    env = stage_env(RECORD_THREADS=str(cwd))
+    one_core = ("taskset", "-c", "0")
+    runs.start(
+        "one-process", cwd, stage="multigpu_torchrun", args=args, nproc=1, env=env, prefix=one_core
+    )
+    cwd = folder("one-core-multigpu")
+    env = stage_env(RECORD_THREADS=str(cwd))
+    args = [1, 1, "--world_size", 1]
+    runs.start("one-core-multigpu", cwd, stage="multigpu", args=args, env=env, prefix=one_core)
     # multinode.py's snapshot of epoch 2 resumed in single_gpu.py.
     cwd = folder("cross")
     copy = functools.partial(
@@ -503,7 +542,6 @@ def runs(tmp_path_factory):
     for stage, (epochs, *more) in exit_runs.items():
         cwd = folder(f"exit-{stage}")
         env = stage_env(EXIT_HOOKS=str(cwd), EXIT_WORKERS=str(cwd))
-        env.pop("PYTHONUNBUFFERED")
         if stage == "multigpu":  # another program tries to take the launcher's port
             env["TAKE_PORT"] = str(cwd)
         host = "[::1]" if stage == "multinode" else "127.0.0.1"

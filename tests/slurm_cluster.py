@@ -109,7 +109,7 @@ SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
 MpiDefault=none
 ReturnToService=2
 InactiveLimit=0
-KillWait=2
+KillWait=10
 MinJobAge=4
 Waittime=0
 MailProg=/bin/true
@@ -204,18 +204,17 @@ def copy_repo(cwd: Path) -> None:
 
 
 def submit_all(env: dict, root: Path) -> dict:
-    """Each batch file, unmodified, from its own copy of the repository, all at once, as a user
-    with the project's environment active: sbatch --wait --gpus-per-node=0 slurm/STAGE.sh 1 1.
-    {stage: (folder, result, job log)}. multinode.sh starts one process per node (CPU_PROCS=1):
-    two nodes are enough to span, and the machine is busy."""
+    """Each batch file, unmodified, all at once from one copy of the repository, as a user with
+    the project's environment active: sbatch --wait --gpus-per-node=0 slurm/STAGE.sh 1 1, with
+    the files' defaults (2 processes a node). {stage: (folder, result, job log)}."""
+    cwd = root / "jobs" / "repo"
+    copy_repo(cwd)
 
     def submit(stage: str) -> tuple:
-        cwd = root / "jobs" / stage
-        copy_repo(cwd)
         result = subprocess.run(
             ["sbatch", "--wait", "--gpus-per-node=0", f"slurm/{stage}.sh", "1", "1"],
             cwd=cwd,
-            env=user_env(env, CPU_PROCS="1" if stage == "multinode" else "2"),
+            env=user_env(env),
             capture_output=True,
             text=True,
             timeout=300,

@@ -181,7 +181,8 @@ def test_a_snapshot_of_another_run_is_refused(reference_runs, workdir, monkeypat
     shutil.copyfile(reference_runs["single_gpu"][0] / "snapshot.pt", workdir / "snapshot.pt")
     before = (workdir / "snapshot.pt").read_bytes()
     message = run_in_process("single_gpu", [*flags, "--snapshot_path", "snapshot.pt"], monkeypatch)
-    assert "snapshot.pt holds another run" in message and differs in message, message
+    assert "cannot resume from snapshot.pt: it holds another run" in message, message
+    assert differs in message, message
     assert (workdir / "snapshot.pt").read_bytes() == before
 
 

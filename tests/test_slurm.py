@@ -14,23 +14,29 @@ from conftest import (
     EPOCHS,
     STAGES,
     assert_bitwise_equal,
+    assert_same_model,
     launch,
     load,
-    max_param_diff,
+    single_gpu,
     slurm_futures,
 )
 from slurm_cluster import copy_repo, follow
 
+GLOBAL_BATCH = {"single_gpu": 32, "multigpu": 64, "multigpu_torchrun": 64, "multinode": 128}
+
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_sbatch_file_runs(slurm_jobs, stage):
+    """The four jobs at once in one folder, each with its own default snapshot; on CPUs, 2
+    processes a node (multigpu.py's --world_size, the torchrun files' CPU_PROCS)."""
     cwd, result, log = slurm_jobs[stage]
     assert result.returncode == 0, result.stdout + result.stderr + log
     lines = [
         line.split(": ", 1)[-1] for line in log.splitlines()
     ]  # srun --label puts "TASK: " in front
-    assert [int(e) for e, *_ in EPOCH_LINE.findall("\n".join(lines))] == [1], log
-    assert load(cwd / "snapshot.pt")["epoch"] == 1
+    epochs = EPOCH_LINE.findall("\n".join(lines))
+    assert [(int(e), int(batch)) for e, _, _, _, batch, _ in epochs] == [(1, GLOBAL_BATCH[stage])]
+    assert load(cwd / f"{stage}.pt")["epoch"] == 1
     if stage == "multinode":  # one torchrun on each node
         assert {line for line in lines if line.startswith("node")} == {"node1", "node2"}, log
 
@@ -63,7 +69,7 @@ def queue_slow_runs(runs, root: Path) -> None:
 
 
 def assert_requeued_and_finished(
-    finished: dict, cwd: Path, reference: tuple, snapshot: str = "snapshot.pt"
+    finished: dict, cwd: Path, reference: tuple, snapshot: str = "multinode.pt"
 ) -> None:
     log = finished["log"]
     assert finished["ended"] == "COMPLETED", finished["state"] + log  # the batch file exited 0
@@ -130,7 +136,7 @@ def test_srun_tasks_train_as_torchrun_does(slurm_env, slow_runs, tmp_path):
     assert "start 1 (requeued 0 times)" in log and "Traceback" not in log, log
     assert [e[0] for e in epochs_of(log)] == list(range(1, EPOCHS + 1)), log
     reference, _ = slow_runs["slurm-srun"]
-    assert max_param_diff(load(cwd / "snapshot.pt"), reference) <= 1e-4
+    assert_same_model(load(cwd / "multinode.pt"), reference)
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +181,29 @@ def test_srun_job_warned_before_its_time_limit_requeues_itself(time_limit_jobs, 
     is exact to rounding only: README, Snapshots)."""
     cwd, finished = time_limit_jobs["srun"]
     assert_requeued_and_finished(finished, cwd, slow_runs["slurm-time-limit"])
+
+
+@pytest.mark.slow
+def test_a_job_that_slurm_ends_saves_and_says_so(slurm_env, tmp_path):
+    """sbatch slurm/single_gpu.sh with flags only: the run is the README's 50 10 (epoch 1's
+    learning rate is still warming up, as in 50 epochs). Then `scancel JOB`, which sends SIGTERM
+    to every process of the job, the batch shell's too (a preemption at many sites): the run
+    stops after a step and saves, and the log says that Slurm ended the job."""
+    cwd = tmp_path / "repo"
+    copy_repo(cwd)
+    sent = []
+
+    def cancel(job: str, log: str) -> None:
+        if not sent and "Epoch 1 " in log:
+            sent.append(subprocess.run(["scancel", job], env=slurm_env))
+
+    finished = follow(slurm_env, cwd, ["slurm/single_gpu.sh", "--batch_size", 64], during=cancel)
+    log = finished["log"]
+    assert sent and finished["ended"] == "CANCELLED", finished["state"] + log
+    lr = float(EPOCH_LINE.search(log)[4])
+    steps = 640 // 64
+    assert lr == float(f"{single_gpu().get_lr(steps - 1, 50 * steps, 3e-3):.2e}"), log
+    assert "SIGTERM: stopped in epoch " in log, log
+    assert "Ended by Slurm (SIGTERM to the job), its progress saved in single_gpu.pt" in log, log
+    snapshot = load(cwd / "single_gpu.pt")
+    assert snapshot["samples"] > 0 or snapshot["epoch"] > 1, log

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -35,6 +36,10 @@ CASES = [(stage, "SIGTERM") for stage in STAGES]  # a launcher each: python, spa
 CASES += [(stage, "SIGINT") for stage in ("single_gpu", "multigpu", "multinode")]  # Ctrl-C
 CASES += [(stage, "SIGUSR1") for stage in ("single_gpu", "multigpu")]  # torchrun: README
 EPOCH_END = {"single_gpu": 48, "multigpu": 24}  # 640 = 13 x 48 + 16: the last step is short
+TORCHRUN_STAGES = ("multigpu_torchrun", "multinode")
+DROPOUT = ["--arch", "squeezenet1_1"]  # a torchvision model with dropout
+SECOND_CTRL_C = [(stage, "workers") for stage in STAGES]
+SECOND_CTRL_C += [(stage, "save") for stage in ("single_gpu", "multigpu")]
 
 
 def stop_after(
@@ -43,8 +48,9 @@ def stop_after(
     """Start a run, send `signum` to its launchers (both "nodes" of multinode; SIGINT to their
     process groups, as a terminal sends Ctrl-C; every: to each of its processes, loader workers
     included, as Slurm does) once a logged line starts with `line`, and wait for the exit:
-    {"codes", "seconds" (signal to exit), "output"}."""
-    procs = start(stage, args, cwd)
+    {"codes", "seconds" (signal to exit), "output"}. Each step takes 0.2 s longer, so that the
+    signal cannot come after the run's last step."""
+    procs = start(stage, args, cwd, env=stage_env(FAULT_STEP_SLEEP="0.2"))
     lines, seen = queue.Queue(), threading.Event()
 
     def read(proc) -> None:
@@ -101,33 +107,73 @@ def stopped_then_resumed(
     return stopped, launch(stage, args, cwd, timeout=600)
 
 
-def second_ctrl_c(stage: str, cwd: Path) -> dict:
-    """The second save hangs (FAULT_SAVE=slow:600, a hung filesystem); once epoch 2 is logged,
-    Ctrl-C (to the process group, as a terminal sends it), 2 s later another: {"alive" after the
-    first, "code" within 10 s of the second (None: still running), "left" (processes a second
-    after), "epoch" of the snapshot}."""
+def loader_workers(cwd: Path) -> list[int]:
+    """The loader workers of a run: forked by a training process, so with its command line."""
+
+    def parent_and_command(pid: int) -> tuple:
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return parent, f.read()
+
+    found = {}
+    for pid in processes_in(cwd):
+        with contextlib.suppress(OSError):
+            found[pid] = parent_and_command(pid)
+    return [
+        pid for pid, (parent, command) in found.items() if found.get(parent, (0, b""))[1] == command
+    ]
+
+
+def second_ctrl_c(stage: str, cwd: Path, hang: str) -> dict:
+    """A hang, then Ctrl-C (to each launcher's process group, as a terminal sends it), 2 s later
+    another. hang="save": the second save hangs (FAULT_SAVE=slow:600); the Ctrl-Cs come once
+    epoch 2 is logged. hang="workers": once epoch 1 is logged, every loader worker (--workers 1)
+    is stopped, as on a hung file system, and the ranks wait for batches. {"alive" after the first,
+    "codes" within 10 s of the second (None: still running), "stopped" (loader workers), "left"
+    (processes a second after), "epoch" of the snapshot, "output"}."""
     cwd.mkdir()
-    env = stage_env(FAULT_SAVE="slow:600", FAULT_SAVE_FROM="2")
-    (proc,) = start(stage, [EPOCHS, 1], cwd, env=env)
+    if hang == "save":
+        env, args, line = stage_env(FAULT_SAVE="slow:600", FAULT_SAVE_FROM="2"), [], "Epoch 2 "
+    else:
+        env, args, line = stage_env(), ["--workers", 1], "Epoch 1 "
+    procs = start(stage, [EPOCHS, 1, *args], cwd, env=env)
+    deadline = threading.Timer(300, lambda: [proc.kill() for proc in procs])  # a hang ends too
+    deadline.start()
+    lines = []
+    for text in procs[0].stdout:
+        lines.append(text)
+        if text.startswith(line):
+            break
+    deadline.cancel()
+    stopped = loader_workers(cwd) if hang == "workers" else []
     try:
-        for line in proc.stdout:
-            if line.startswith("Epoch 2 "):
-                break
-        os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(2)
-        alive = proc.poll() is None
-        if alive:
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(2 if stopped else 0)  # the batches loaded before run out
+        for proc in procs:
             os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(2)
+        alive = all(proc.poll() is None for proc in procs)
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+        ended = time.monotonic() + 10
+        for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
-        code = proc.returncode
+                proc.wait(timeout=max(0.1, ended - time.monotonic()))
+        codes = [proc.returncode for proc in procs]
     finally:
-        proc.kill()
-        proc.communicate()
+        for proc in procs:
+            proc.kill()
+            lines.append(proc.communicate()[0])
     time.sleep(1)
     left = processes_in(cwd)
     end_processes_in(cwd)
-    return {"alive": alive, "code": code, "left": left, "epoch": load(cwd / "snapshot.pt")["epoch"]}
+    epoch = load(cwd / "snapshot.pt")["epoch"]
+    output = "".join(lines)
+    return {"alive": alive, "codes": codes, "stopped": stopped, "left": left, "epoch": epoch,
+            "output": output}  # fmt: skip
 
 
 def full_at_stop(cwd: Path) -> tuple:
@@ -180,15 +226,47 @@ def queue_slow_runs(runs: Runs, root: Path) -> None:
             cwd = root / f"epoch-end-{stage}-{step}"
             faults = {"FAULT_SIGNAL": f"SIGTERM:step:{step}"}
             queue(cwd.name, stopped_then_resumed, stage, epoch_end_args(stage), cwd, **faults)
-        queue(f"second-ctrl-c-{stage}", second_ctrl_c, stage, root / f"second-ctrl-c-{stage}")
+    for stage, hang in SECOND_CTRL_C:
+        cwd = root / f"second-ctrl-c-{hang}-{stage}"
+        queue(cwd.name, second_ctrl_c, stage, cwd, hang)
     queue("full-at-stop", full_at_stop, root / "full-at-stop")
+    for stage in ("single_gpu", "multigpu_torchrun"):  # stopped by rank 0 after step 13 of 20
+        args = [*stop_args(stage), *DROPOUT]
+        queue(
+            reference_name(stage, args),
+            uninterrupted,
+            stage,
+            args,
+            root / reference_name(stage, args),
+        )
+        faults = {"FAULT_SIGNAL": "SIGTERM:step:13"}
+        queue(
+            f"dropout-{stage}",
+            stopped_then_resumed,
+            stage,
+            args,
+            root / f"dropout-{stage}",
+            **faults,
+        )
 
 
-def assert_stopped_cleanly(stopped: dict, name: str) -> None:
+def assert_stopped_cleanly(stopped: dict, name: str, stage: str) -> None:
+    """What the README says a user sees: python and spawn's launcher exit with 128 + the signal
+    and no traceback; torchrun (each node's) prints its own SignalException traceback and exits
+    1. Within 30 s, one stop line, saved where it says."""
     output = stopped["output"]
-    assert all(code != 0 for code in stopped["codes"]), output  # not finished: not a success
+    signum = int(signal.Signals[name])
+    if stage in TORCHRUN_STAGES:
+        agents = len(stopped["codes"])
+        assert stopped["codes"] == [1] * agents, output
+        torchruns = re.findall(
+            rf"^\S*SignalException: Process \d+ got signal: {signum}$", output, re.M
+        )
+        assert output.count("Traceback") == len(torchruns) == agents, output
+    else:
+        assert stopped["codes"] == [128 + signum], output
+        assert "Traceback" not in output, output
     assert stopped["seconds"] < 30, output  # within a Slurm KillWait or a Kubernetes grace
-    assert "Traceback" not in output or "SignalException" in output, output  # torchrun's own
     assert_saved_where_it_stopped(stopped, name)
 
 
@@ -219,7 +297,7 @@ def assert_resumes_bit_for_bit(slow_runs, stage: str, args: list, stopped: dict,
 @pytest.mark.parametrize(("stage", "name"), CASES)
 def test_stopped_run_resumes_bit_for_bit(slow_runs, stage, name):
     stopped, resumed = slow_runs[f"{stage}-{name}"]
-    assert_stopped_cleanly(stopped, name)
+    assert_stopped_cleanly(stopped, name, stage)
     assert_resumes_bit_for_bit(slow_runs, stage, stop_args(stage), stopped, resumed)
 
 
@@ -229,7 +307,7 @@ def test_loader_workers_leave_the_stop_to_their_process(slow_runs, stage):
     """--workers 2, and SIGTERM to every process of the run (Slurm's time limit and preemption):
     the workers neither die nor make their training process fail; it stops, saves, resumes."""
     stopped, resumed = slow_runs[f"{stage}-every-process"]
-    assert_stopped_cleanly(stopped, "SIGTERM")
+    assert_stopped_cleanly(stopped, "SIGTERM", stage)
     assert "DataLoader worker" not in stopped["output"], stopped["output"]
     assert resumed.returncode == 0, resumed.output
     reference, _ = slow_runs[reference_name(stage, stop_args(stage))]
@@ -260,15 +338,18 @@ def test_a_stop_at_the_end_of_an_epoch_resumes_exactly(slow_runs, stage, step):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["single_gpu", "multigpu"])
-def test_a_second_ctrl_c_ends_the_job_at_once(slow_runs, stage):
-    """The first Ctrl-C is noted and waits for a step that never comes (the save hangs); a
-    second one ends every process within seconds (its default action), and snapshot.pt still
-    holds epoch 1."""
-    result = slow_runs[f"second-ctrl-c-{stage}"]
-    assert result["alive"], "the first Ctrl-C waits for a step"
-    assert result["code"] not in (None, 0) and not result["left"], result
-    assert result["epoch"] == 1
+@pytest.mark.parametrize(("stage", "hang"), SECOND_CTRL_C)
+def test_a_second_ctrl_c_ends_the_job_at_once(slow_runs, stage, hang):
+    """The first Ctrl-C is noted and waits for a step that never comes (a save or the loader
+    workers hang); a second one ends every process within seconds, the stopped loader workers
+    too (they held their rank's exit, unseen by its launcher), and the snapshot still holds epoch
+    1 (the last one saved)."""
+    result = slow_runs[f"second-ctrl-c-{hang}-{stage}"]
+    assert result["alive"], result  # the first Ctrl-C waits for a step
+    workers = 2 if stage == "single_gpu" else 4  # a train and a held-out loader's, per process
+    assert len(result["stopped"]) == (workers if hang == "workers" else 0), result
+    assert None not in result["codes"] and 0 not in result["codes"], result
+    assert not result["left"] and result["epoch"] == 1, result
 
 
 @pytest.mark.slow
@@ -291,3 +372,13 @@ def test_a_signal_during_a_write_stops_after_it(slow_runs, stage):
     snapshot = assert_saved_where_it_stopped(stopped, "SIGTERM")
     assert snapshot["epoch"] == 1 and snapshot["samples"] > 0, stopped["output"]
     assert_resumes_bit_for_bit(slow_runs, stage, stop_args(stage), stopped, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu_torchrun"])
+def test_a_model_with_dropout_resumes_bit_for_bit(slow_runs, stage):
+    """SqueezeNet draws dropout masks at every step: each step's draws come from the seed, the
+    rank and the step, so a run stopped in epoch 2 and started again draws the same ones."""
+    stopped, resumed = slow_runs[f"dropout-{stage}"]
+    assert_saved_where_it_stopped(stopped, "SIGTERM")
+    assert_resumes_bit_for_bit(slow_runs, stage, [*stop_args(stage), *DROPOUT], stopped, resumed)

@@ -20,6 +20,9 @@ themselves carry no test hooks:
                                   N-th optimizer step) or save (as its first save starts)
   TAKE_PORT=DIR                   as rank 0 starts its process group, another program takes
                                   MASTER_PORT if it can: it writes DIR/port-taken or DIR/port-held
+  RECORD_THREADS=DIR              at exit, write DIR/threads-PID: torch's intra-op threads
+  FAULT_STEP_SLEEP=SECONDS        every optimizer step takes that much longer (a slow GPU), so
+                                  that a signal sent during an epoch arrives before its end
 """
 
 import os
@@ -80,6 +83,25 @@ if os.environ.get("TAKE_PORT"):
         return _init_process_group(*args, **kwargs)
 
     dist.init_process_group = init_process_group
+
+if os.environ.get("RECORD_THREADS"):
+    import atexit
+
+    def _record_threads() -> None:
+        import torch
+
+        path = os.path.join(os.environ["RECORD_THREADS"], f"threads-{os.getpid()}")
+        with open(path, "w") as f:
+            f.write(str(torch.get_num_threads()))
+
+    atexit.register(_record_threads)
+
+if os.environ.get("FAULT_STEP_SLEEP"):
+    import time
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(lambda *_: time.sleep(float(os.environ["FAULT_STEP_SLEEP"])))
 
 HOOKS = ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR", "FAULT_SAVE")
 if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIGNAL"):
