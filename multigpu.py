@@ -1,4 +1,4 @@
-"""Stage 2 of 4, spawn starts a process per GPU, DDP trains: python multigpu.py 50 10
+"""Stage 2 of 5, spawn starts a process per GPU, DDP trains: python multigpu.py 50 10
 
 50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
 command resumes it. The next stages add distribution only.

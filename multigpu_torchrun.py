@@ -1,4 +1,4 @@
-"""Stage 3 of 4, torchrun: torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10
+"""Stage 3 of 5, torchrun: torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10
 
 50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
 command resumes it. The next stages add distribution only.

@@ -1,4 +1,4 @@
-"""Stage 4 of 4, a torchrun per node (HOST: the first), or srun with MASTER_ADDR/PORT exported:
+"""Stage 4 of 5, a torchrun per node (HOST: the first), or srun with MASTER_ADDR/PORT exported:
 torchrun --nnodes=2 --nproc_per_node=gpu --rdzv-backend=c10d --rdzv-endpoint=HOST multinode.py 50 10
 
 50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same

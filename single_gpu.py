@@ -1,4 +1,4 @@
-"""Stage 1 of 4, one process on one GPU or the CPU: python single_gpu.py 50 10
+"""Stage 1 of 5, one process on one GPU or the CPU: python single_gpu.py 50 10
 
 50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
 command resumes it. The next stages add distribution only.

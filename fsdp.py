@@ -1,0 +1,444 @@
+"""Stage 5 of 5, FSDP2 shards the model, its gradients and AdamW's state; launched as multinode.py:
+torchrun --nnodes=2 --nproc_per_node=gpu --rdzv-backend=c10d --rdzv-endpoint=HOST fsdp.py 50 10
+
+50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
+command resumes it. The next stages add distribution only.
+"""
+
+import argparse
+import atexit
+import contextlib
+import itertools
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+
+# SIGTERM: preemption; SIGUSR1: a time limit is near (not Windows).
+STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
+stop_signals: list[int] = []
+
+
+def note_stop_signal(signum: int, frame: object) -> None:
+    """Stop after the optimizer step; after a Ctrl-C, the next stop signal ends it at once."""
+    stop_signals.append(signum)
+    if signum == signal.SIGINT:
+        for stop in STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_DFL)
+
+
+def start_loader_worker(worker_id: int) -> None:
+    """Stops are for the training process; the worker dies with it."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too: test_stop.py
+
+
+def setup(local_rank: int, global_rank: int) -> torch.device:
+    """The one place that picks the hardware: a GPU, else the CPU."""
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, cores // local_world_size))  # its share of the cores it may use
+    gpus = torch.cuda.device_count()
+    if 0 < gpus < local_world_size:  # NCCL cannot share a GPU between processes
+        error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
+        sys.exit(error if local_rank == 0 else 1)
+    device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
+    if gpus:
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for float32
+    backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, gloo for CPUs
+    dist.init_process_group(backend, rank=global_rank, device_id=device if gpus else None)
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphans: test_faults.py
+    return device
+
+
+def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Dataset, Dataset, int]:
+    """Train, val and the number of classes: built-in, or DIR/{train,val}/CLASS/*."""
+    if data_dir is None:
+        if augment != "none":
+            raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
+        g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, noisy
+        labels = torch.randint(10, (720,), generator=g)
+        prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size)
+        images = prototypes[labels] + 1.5 * torch.randn(720, 3, size, size, generator=g)
+        train = TensorDataset(images[:640], labels[:640])
+        return train, TensorDataset(images[640:], labels[640:]), 10
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    resize = [T.Resize(size), T.CenterCrop(size)]
+    to_tensor = [T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)]
+    randomly = {"crop": T.RandomCrop(size, padding=size // 8), "flip": T.RandomHorizontalFlip()}
+    chosen = [randomly[name] for name in augment.split("+") if name != "none"]
+    try:
+        train = datasets.ImageFolder(f"{data_dir}/train", T.Compose(resize + chosen + to_tensor))
+        val = datasets.ImageFolder(f"{data_dir}/val", T.Compose(resize + to_tensor))
+    except OSError as e:
+        raise ValueError(
+            f"--data_dir {data_dir}: {e} (expected DIR/{{train,val}}/CLASS/)"
+        ) from None
+    if train.classes != val.classes:
+        raise ValueError(f"--data_dir {data_dir}: train/ and val/ need the same class folders")
+    return train, val, len(train.classes)
+
+
+class EpochSampler(DistributedSampler):
+    """Shuffled by seed and epoch; from the `start`-th sample on (a resume)."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        super().__init__(dataset, seed=seed)
+        self.start = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+
+def build_model(arch: str, classes: int, size: int) -> nn.Module:
+    """convnet: a small CNN with GroupNorm, which is the same at any number of ranks."""
+    if arch == "convnet":
+        # fmt: off
+        model = nn.Sequential(
+            nn.Conv2d(3, 32, 2, stride=2), nn.GroupNorm(8, 32), nn.GELU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.GELU(), nn.AvgPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1), nn.GELU(), nn.Conv2d(128, 128, 3, padding=1),
+            nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, classes),
+        )
+        # fmt: on
+    else:
+        from torchvision import models
+
+        if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
+            raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
+        model = models.get_model(arch, num_classes=classes)
+    try:  # ViT takes 224 only, VGG 32 or more
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, 3, size, size))
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"--arch {arch} cannot take --image_size {size}: {e}") from None
+    return model
+
+
+def get_lr(step: int, steps: int, peak: float) -> float:
+    """Mid-step `step` of `steps`: a warm-up over 10% of them, then down to 0."""
+    done = (step + 0.5) / steps
+    return peak * min(done / 0.1, (1 - done) / 0.9)
+
+
+def load_snapshot(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict
+) -> tuple:
+    """Where to resume: (epochs done, samples and loss sum of the next)."""
+    if not os.path.exists(path):
+        return 0, 0, 0.0
+    try:
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)  # runs no code
+        ran = snapshot.get("run", run)
+        differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
+        if differs:
+            raise ValueError(f"it holds another run ({'; '.join(differs)}): give each its own path")
+        shards = model.state_dict()  # each rank reads the whole file and keeps its shards
+        model.load_state_dict({k: shard(v, shards[k]) for k, v in snapshot["model"].items()})
+        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW
+            group.update(fused=optimizer.defaults["fused"], foreach=None)
+        params = list(model.parameters())
+        for i, state in snapshot["optimizer"]["state"].items():
+            state.update({k: shard(v, params[i]) for k, v in state.items()})
+        optimizer.load_state_dict(snapshot["optimizer"])
+    except Exception as e:
+        raise ValueError(f"cannot resume from {path}: {' '.join(str(e).split())[:200]}") from None
+    return snapshot["epoch"], snapshot.get("samples", 0), snapshot.get("loss_sum", 0.0)
+
+
+def shard(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a whole tensor, cut as `like` is if it is sharded (a DTensor)."""
+    if isinstance(like, DTensor) and value.dim():
+        return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+    return value
+
+
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor made whole on the CPU, as snapshots hold it: every rank takes part."""
+    return value.full_tensor().cpu() if isinstance(value, DTensor) else value
+
+
+def shard_model(model: nn.Module, precision: str, global_rank: int) -> None:
+    """Each block with parameters, then the rest: a rank keeps 1/N of their parameters, gradients
+    and AdamW state, and gathers a block's parameters for its forward and backward only."""
+    bf16 = torch.bfloat16 if precision == "bf16" else None
+    policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+    for block in [m for m in model.children() if list(m.parameters())] + [model]:
+        fully_shard(block, mp_policy=policy)
+    if global_rank == 0:
+        mine = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        print(f"FSDP: a rank holds {mine:,} of {total:,} parameter bytes, and of AdamW's 2x")
+
+
+def save_snapshot(path: str, snapshot: dict) -> bool:
+    """Written beside the last one, then renamed over it: a crash or a full disk keeps the last."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(f"{path}.tmp", "wb") as f:
+            torch.save(snapshot, f)
+            os.fsync(f.fileno())
+        os.replace(f"{path}.tmp", path)
+        return True
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(OSError):
+            os.remove(f"{path}.tmp")
+        print(f"error: cannot save {path}: {e}; the last snapshot is kept", file=sys.stderr)
+        return False
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: DataLoader,
+        val_data: DataLoader,
+        device: torch.device,
+        args: argparse.Namespace,
+        run: dict,
+    ) -> None:
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), args.lr, fused=device.type == "cuda")
+        self.train_data = train_data
+        self.val_data = val_data
+        self.device = device
+        self.args = args
+        self.run = run
+        self.global_rank = dist.get_rank()
+        try:
+            self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
+        except ValueError as e:
+            self.resume = str(e)  # said after the gather
+        loaded = [None] * dist.get_world_size()
+        dist.all_gather_object(loaded, self.resume)  # all resume from one place
+        if loaded != [loaded[0]] * len(loaded):
+            self.resume = f"ranks resume from different snapshots: share {args.snapshot_path}"
+        if isinstance(self.resume, str):
+            dist.destroy_process_group()
+            sys.exit(f"error: {self.resume}" if self.global_rank == 0 else 1)
+        self.cpu_group = dist.new_group(backend="gloo")  # stops, saves: no GPU waits
+        self.stop = torch.tensor(0)
+        self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
+        self.train_model = model
+        if args.compile:  # no CUDA graphs: FSDP communicates inside the step
+            self.train_model = torch.compile(self.train_model)
+
+    def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
+        saved = True
+        model = {k: whole(v) for k, v in self.model.state_dict().items()}
+        optimizer = self.optimizer.state_dict()
+        states = optimizer["state"].items()
+        optimizer["state"] = {i: {k: whole(v) for k, v in state.items()} for i, state in states}
+        if self.global_rank == 0:
+            snapshot = dict(model=model, optimizer=optimizer)
+            snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
+            saved = save_snapshot(self.args.snapshot_path, snapshot)
+        done = torch.tensor(int(saved))
+        dist.all_reduce(done, dist.ReduceOp.MIN, self.cpu_group)  # the others wait for the write
+        return bool(done)
+
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        source = source.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        loss_sum = F.cross_entropy(self.train_model(source).float(), targets, reduction="sum")
+        # The global batch's mean, at any micro-batch and number of ranks.
+        (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
+        return loss_sum.detach()
+
+    def _run_epoch(self, epoch: int, samples: int) -> tuple[torch.Tensor, int, int]:
+        """From the epoch's `samples`-th sample on: loss sum, samples, stop signal or 0."""
+        sampler = self.train_data.sampler
+        sampler.set_epoch(epoch)
+        # Resumed: after the last step trained (a short one too).
+        first = math.ceil(samples / (sampler.num_replicas * self.args.batch_size))
+        sampler.start = first * self.args.batch_size
+        steps = len(self.train_data)
+        updates = math.ceil(steps / self.args.grad_accum)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        report = time.monotonic() + 30
+        self.model.train()
+        for step, (source, targets) in enumerate(self.train_data, first):
+            # Dropout: seeded by rank and step; a resume draws the same
+            torch.manual_seed(hash((self.args.seed, self.global_rank, epoch, step)))
+            update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
+            self.model.set_requires_gradient_sync(update)  # reduce-scattered at updates only
+            loss_sum += self._run_batch(source, targets)
+            if not update:
+                continue
+            lr_step = epoch * updates + step // self.args.grad_accum
+            for group in self.optimizer.param_groups:
+                group["lr"] = get_lr(lr_step, self.args.total_epochs * updates, self.args.lr)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            # The ranks agree a step later, while the next step computes: all stop after it.
+            self.vote.wait()
+            stopped = int(self.stop)
+            self.stop = torch.tensor(stop_signals[0] if stop_signals else 0)
+            self.vote = dist.all_reduce(self.stop, dist.ReduceOp.MAX, self.cpu_group, async_op=True)
+            if stopped:
+                return loss_sum, min(len(sampler), (step + 1) * self.args.batch_size), stopped
+            if self.global_rank == 0 and time.monotonic() > report:
+                print(f"  epoch {epoch + 1}: step {step + 1} of {steps}", flush=True)
+                report = time.monotonic() + 30
+        return loss_sum, min(len(sampler), steps * self.args.batch_size), 0
+
+    def train(self) -> int:
+        """0 at the end; 128 + the signal at a stop, saved; 1 if a save failed."""
+        epochs_run, skipped, loss_saved = self.resume
+        if epochs_run >= self.args.total_epochs and self.global_rank == 0:
+            print(f"{self.args.snapshot_path}: epoch {epochs_run} done already, nothing to train")
+        for epoch in range(epochs_run, self.args.total_epochs):
+            began = time.perf_counter()
+            val_batches = iter(self.val_data)  # loaded while the epoch trains
+            loss_sum, samples, stopped = self._run_epoch(epoch, skipped)
+            correct = 0 if stopped else evaluate(self.model, val_batches, self.device)
+            evaluated = len(self.val_data.dataset)
+            figures = torch.tensor([loss_sum, samples, correct, evaluated], dtype=torch.float64)
+            dist.all_reduce(figures, group=self.cpu_group)  # summed over the ranks
+            loss_sum, samples, correct, evaluated = figures.tolist()
+            loss_sum += loss_saved
+            if stopped:
+                if not self._save_snapshot(epoch, int(samples), loss_sum):
+                    return 1
+                if self.global_rank == 0:
+                    where = f"in epoch {epoch + 1} after {int(samples)} samples"
+                    print(f"{signal.Signals(stopped).name}: stopped {where}; run again to resume")
+                return 128 + stopped
+            if self.global_rank == 0:
+                speed = (samples - skipped) / (time.perf_counter() - began)
+                means = f"loss {loss_sum / samples:.4f} | acc {float(correct) / evaluated:.4f}"
+                rest = f"lr {self.optimizer.param_groups[0]['lr']:.2e} | batch {self.run['batch']}"
+                print(f"Epoch {epoch + 1} | {means} | {rest} | {speed:.0f} samples/s", flush=True)
+            due = (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs
+            if due and not self._save_snapshot(epoch + 1):
+                return 1
+            skipped, loss_saved = 0, 0.0
+        return 0
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val_batches: Iterator, device: torch.device) -> torch.Tensor:
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    for source, targets in val_batches:
+        outputs = model(source.to(device, non_blocking=True))
+        correct += (outputs.argmax(1) == targets.to(device)).sum()
+    return correct
+
+
+def prepare_dataloaders(
+    train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
+) -> tuple[DataLoader, DataLoader]:
+    """Loader processes prepare batches while a GPU computes; a CPU does both."""
+    workers = args.workers
+    if workers is None:
+        workers = min(8, torch.get_num_threads()) if gpu else 0
+    load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
+    load.update(worker_init_fn=start_loader_worker)
+    sampler = EpochSampler(train_set, seed=args.seed)
+    shared = len(val_set) - len(val_set) % sampler.num_replicas  # as many forwards on every rank
+    val_set = Subset(val_set, range(sampler.rank, shared, sampler.num_replicas))
+    # BatchNorm cannot train on one sample: a last batch of one is left out, but an only one.
+    one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
+    train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
+    return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
+
+
+def main(local_rank: int, args: argparse.Namespace) -> None:
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, note_stop_signal)
+    global_rank = int(os.environ["RANK"])  # on nodes, the job's rank is not the local rank
+    torch.manual_seed(args.seed)
+    try:
+        train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
+        model = build_model(args.arch, classes, args.image_size)
+        if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
+            raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
+    except ValueError as e:  # bad input: one line
+        sys.exit(f"error: {e}" if global_rank == 0 else 1)
+    device = setup(local_rank, global_rank)
+    if args.deterministic:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read once, as cuBLAS starts
+        torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = not args.deterministic
+    model.to(device)
+    if device.type == "cuda":  # BatchNorm statistics over all ranks
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    shard_model(model, args.precision, global_rank)  # before the optimizer sees its parameters
+    # What decides the result: another run's snapshot is refused.
+    run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
+    run.update(data=[classes, len(train_set), len(val_set), args.image_size])
+    run["batch"] = args.batch_size * args.grad_accum * dist.get_world_size()
+    train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
+    trainer = Trainer(model, train_data, val_data, device, args, run)
+    code = trainer.train()
+    del trainer, train_data, val_data  # loader workers end before the exit functions
+    dist.destroy_process_group()
+    atexit._run_exitfuncs()  # pytorch#107298 (gloo aborts exit); test_faults.py
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def natural(text: str, least: int = 0) -> int:
+    if not text.isdigit() or not least <= int(text) < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer in [{least}, 2**32), got {text!r}")
+    return int(text)
+
+
+def positive(text: str) -> int:
+    return natural(text, least=1)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("epochs", type=positive, nargs="?")
+    parser.add_argument("every", type=positive, nargs="?")
+    parser.add_argument("--total_epochs", type=positive, default=5)
+    parser.add_argument("--save_every", type=positive, default=5)
+    parser.add_argument("--batch_size", type=positive, default=32)
+    parser.add_argument("--grad_accum", type=positive, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=natural, default=0)
+    parser.add_argument("--snapshot_path", default=os.path.basename(__file__).replace(".py", ".pt"))
+    parser.add_argument("--data_dir")
+    parser.add_argument("--image_size", type=positive, default=32)
+    parser.add_argument("--augment", default="none", choices=["none", "crop", "flip", "crop+flip"])
+    parser.add_argument("--arch", default="convnet")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--workers", type=natural)
+    parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not 0 < args.lr < float("inf"):
+        parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
+    args.total_epochs = args.epochs or args.total_epochs
+    args.save_every = args.every or args.save_every
+    if "LOCAL_RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:  # srun's tasks
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            error = "error: export MASTER_ADDR and MASTER_PORT (see the first lines)"
+            sys.exit(error if os.environ["SLURM_PROCID"] == "0" else 1)
+        slurm = {"RANK": "PROCID", "LOCAL_RANK": "LOCALID", "WORLD_SIZE": "STEP_NUM_TASKS"}
+        os.environ.update({name: os.environ[f"SLURM_{key}"] for name, key in slurm.items()})
+        os.environ["LOCAL_WORLD_SIZE"] = str(len(os.environ["SLURM_GTIDS"].split(",")))
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit(f"error: start {os.path.basename(__file__)} with torchrun (see its first lines)")
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # README
+        error = "error: with --max-restarts, run TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun"
+        sys.exit(error if os.environ["RANK"] == "0" else 1)
+    main(int(os.environ["LOCAL_RANK"]), args)
