@@ -26,7 +26,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-STAGES = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
+STAGES = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode", "fsdp"]
+TORCHRUN_STAGES = ("multigpu_torchrun", "multinode", "fsdp")
 EPOCHS = 3  # of every reference run, and of the runs compared with them
 EPOCH_LINE = re.compile(
     r"^Epoch (\d+) \| loss ([\d.]+) \| acc ([\d.]+) \| lr ([\d.e+-]+) \| batch (\d+) \| "
@@ -139,14 +140,14 @@ def start(
     launcher: list | None = None,
     prefix: tuple = (),
 ) -> list[subprocess.Popen]:
-    """Start a stage as a user does; multinode is two torchrun agents ("nodes") on this machine,
+    """Start a stage as a user does; multinode and fsdp: two torchrun agents ("nodes") here,
     meeting at `host` ("[::1]": IPv6). nproc=0: python SCRIPT, even for the torchrun stages;
     launcher: that command in place of torchrun; prefix: a command before it (taskset -c 0)."""
     env = env or stage_env()
     if "--snapshot_path" not in args:  # one name in every stage's folder: the tests compare them
         args = [*args, "--snapshot_path", "snapshot.pt"]
     endpoint = f"{host}:{free_port(hold=True)}"
-    nodes = [0, 1] if stage == "multinode" and nproc else [None]
+    nodes = [0, 1] if stage in ("multinode", "fsdp") and nproc else [None]
     cwds = node_cwds or (cwd, cwd)
     return [
         subprocess.Popen(
@@ -497,15 +498,22 @@ def runs(tmp_path_factory):
     env = stage_env(RECORD_THREADS=str(cwd))
     args = [1, 1, "--world_size", 1]
     runs.start("one-core-multigpu", cwd, stage="multigpu", args=args, env=env, prefix=one_core)
-    # multinode.py's snapshot of epoch 2 resumed in single_gpu.py.
-    cwd = folder("cross")
-    copy = functools.partial(
-        shutil.copyfile, references["multinode"] / "snapshot.pt.epoch2", cwd / "snapshot.pt"
-    )
-    args = [EPOCHS, 1, *global_batch_args("single_gpu")]
-    runs.start(
-        "cross", cwd, after="reference-multinode", prepare=copy, stage="single_gpu", args=args
-    )
+    # A snapshot of epoch 2 resumed in another stage: fsdp.py's in single_gpu.py, and the reverse.
+    for name, written, resumed in [
+        ("cross", "fsdp", "single_gpu"),
+        ("cross-fsdp", "single_gpu", "fsdp"),
+    ]:
+        cwd = folder(name)
+        copy = functools.partial(
+            shutil.copyfile, references[written] / "snapshot.pt.epoch2", cwd / "snapshot.pt"
+        )
+        args = [EPOCHS, 1, *global_batch_args(resumed)]
+        runs.start(name, cwd, after=f"reference-{written}", prepare=copy, stage=resumed, args=args)
+    # fsdp.py: the global batch (64) from micro-batches (2 processes x 8 x 4), and in bf16.
+    args = [EPOCHS, EPOCHS, "--batch_size", 8, "--grad_accum", 4]
+    runs.start("accumulate-fsdp", folder("accumulate-fsdp"), stage="fsdp", args=args)
+    args = [1, 1, "--precision", "bf16"]
+    runs.start("bf16-fsdp", folder("bf16-fsdp"), stage="fsdp", args=args)
     # The second save writes half a file, then the process is SIGKILLed; then the same folder,
     # copied, starts again. --deterministic: it changes nothing on the CPU, and resumes exactly.
     save, save_resume = folder("save"), folder("save-resume")

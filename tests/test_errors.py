@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from conftest import REPO, write_bad_snapshot
+from conftest import REPO, TORCHRUN_STAGES, write_bad_snapshot
 
 
 def run_in_process(stage: str, args: list, monkeypatch) -> str:
@@ -80,13 +80,13 @@ def test_bad_arguments(workdir, monkeypatch, args, expected):
     assert expected in run_in_process("single_gpu", args, monkeypatch)
 
 
-@pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
+@pytest.mark.parametrize("stage", TORCHRUN_STAGES)
 def test_torchrun_scripts_started_with_python_say_how_to_launch(workdir, monkeypatch, stage):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert "with torchrun" in run_in_process(stage, ["2", "1"], monkeypatch)
 
 
-@pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
+@pytest.mark.parametrize("stage", TORCHRUN_STAGES)
 def test_restarts_over_torchruns_shared_store_are_refused(workdir, monkeypatch, stage):
     """What torchrun --max-restarts=1 sets without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
     for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("TORCHELASTIC_MAX_RESTARTS", "1")):
@@ -186,7 +186,7 @@ def test_a_snapshot_of_another_run_is_refused(reference_runs, workdir, monkeypat
     assert (workdir / "snapshot.pt").read_bytes() == before
 
 
-@pytest.mark.parametrize("stage", ["multigpu_torchrun", "multinode"])
+@pytest.mark.parametrize("stage", TORCHRUN_STAGES)
 @pytest.mark.parametrize("flag", ["--local-rank=0", "--local_rank=0"])
 def test_the_legacy_launchers_flag_is_accepted(workdir, monkeypatch, stage, flag):
     """torch.distributed.launch passes --local-rank=N: no "unrecognized arguments"."""

@@ -23,6 +23,7 @@ from conftest import (
 from slurm_cluster import copy_repo, follow
 
 GLOBAL_BATCH = {"single_gpu": 32, "multigpu": 64, "multigpu_torchrun": 64, "multinode": 128}
+GLOBAL_BATCH["fsdp"] = 128  # as multinode.sh
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -37,7 +38,7 @@ def test_sbatch_file_runs(slurm_jobs, stage):
     epochs = EPOCH_LINE.findall("\n".join(lines))
     assert [(int(e), int(batch)) for e, _, _, _, batch, _ in epochs] == [(1, GLOBAL_BATCH[stage])]
     assert load(cwd / f"{stage}.pt")["epoch"] == 1
-    if stage == "multinode":  # one torchrun on each node
+    if stage in ("multinode", "fsdp"):  # one torchrun on each node
         assert {line for line in lines if line.startswith("node")} == {"node1", "node2"}, log
 
 

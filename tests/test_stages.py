@@ -58,7 +58,7 @@ def test_same_model_at_every_scale(reference_runs):
             assert abs(loss - loss0) < 2e-3 and abs(acc - acc0) < 5e-3, (stage, logs)
 
 
-@pytest.mark.parametrize("name", ["accumulate", "one-process"])
+@pytest.mark.parametrize("name", ["accumulate", "one-process", "accumulate-fsdp"])
 def test_gradient_accumulation_gives_the_same_model(reference_runs, runs, name):
     """Global batch 64 as 2 processes x 8 x 4 micro-batches (DDP's no_sync but at updates), and as
     1 process x 16 x 4 under torchrun (no DDP: one process has no gradients to all-reduce): the
@@ -115,8 +115,11 @@ def test_elastic_restart_resumes_exactly(reference_runs, runs, stage):
     assert_bitwise_equal(load(cwd / "snapshot.pt"), load(final))
 
 
-def test_snapshot_resumes_in_another_stage(reference_runs, runs):
-    cwd, run = runs["cross"]
+@pytest.mark.parametrize("name", ["cross", "cross-fsdp"])
+def test_snapshot_resumes_in_another_stage(reference_runs, runs, name):
+    """fsdp.py's snapshot of epoch 2 resumed in single_gpu.py, and single_gpu.py's in fsdp.py:
+    epoch 3 ends on the model of single_gpu.py's epoch 3."""
+    cwd, run = runs[name]
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [3], run.output
     reference = load(reference_runs["single_gpu"][0] / f"snapshot.pt.epoch{EPOCHS}")
     assert_same_model(load(cwd / "snapshot.pt"), reference)
@@ -166,6 +169,8 @@ def small_trainer(stage, tmp_path, samples: int = 8) -> object:
     data = TensorDataset(torch.randn(samples, 3, 32, 32), torch.arange(samples) % 10)
     train_data, val_data = stage.prepare_dataloaders(data, data, args, gpu=False)
     model = stage.build_model("convnet", 10, 32)
+    if hasattr(stage, "shard_model"):  # fsdp.py
+        stage.shard_model(model, "fp32", 0)
     return stage.Trainer(model, train_data, val_data, torch.device("cpu"), args, {"batch": 2})
 
 
@@ -191,6 +196,7 @@ def test_a_long_epoch_says_how_far_it_is(name, tmp_path, monkeypatch, capsys, wo
     monkeypatch.setattr(stage, "time", fake_time)  # this module's clock only: runs go on beside
     trainer = small_trainer(stage, tmp_path, samples=128)
     trainer.optimizer.register_step_post_hook(lambda *_: now.__setitem__(0, now[0] + 1))
+    capsys.readouterr()  # what the start printed
     assert trainer.train() == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["  epoch 1: step 31 of 64", "  epoch 1: step 62 of 64"], lines
@@ -281,7 +287,7 @@ def test_the_optimizer_implementation_comes_from_the_machine(tmp_path, fused):
     assert optimizer.state_dict()["param_groups"][0]["fused"] is fused
 
 
-@pytest.mark.parametrize("stage", ["multigpu", "multigpu_torchrun", "multinode"])
+@pytest.mark.parametrize("stage", STAGES[1:])
 @pytest.mark.parametrize("gpus, processes", [(2, 4), (1, 2)])
 def test_more_processes_than_gpus_are_refused(monkeypatch, stage, gpus, processes):
     """4 processes on a node that shows 2 GPUs, or two on one GPU (`--world_size 2` on a machine
@@ -336,3 +342,26 @@ def test_a_process_takes_the_cores_of_its_cpu_set(runs, name):
     assert run.returncode == 0, run.output
     threads = [int(path.read_text()) for path in cwd.glob("threads-*")]
     assert len(threads) >= 2 and set(threads) == {1}, threads
+
+
+def test_fsdp_keeps_a_shard_of_each_tensor_a_rank(reference_runs):
+    """fsdp.py with 2 processes: each rank holds half of every parameter (its first dimension cut
+    in two, rank 0 the larger half), so rank 0 says that it holds that many of the model's bytes;
+    the snapshot holds the whole model."""
+    cwd, run = reference_runs["fsdp"]
+    model = single_gpu().build_model("convnet", 10, 32)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    mine = sum(-(-len(p) // 2) * p[0].numel() * 4 for p in model.parameters())
+    line = f"FSDP: a rank holds {mine:,} of {total:,} parameter bytes, and of AdamW's 2x"
+    assert run.output.count(line) == 1 and mine < total * 0.51, run.output
+    snapshot = load(cwd / "snapshot.pt")
+    for name, tensor in model.state_dict().items():
+        assert snapshot["model"][name].shape == tensor.shape, name
+
+
+def test_fsdp_trains_in_bf16(runs):
+    """--precision bf16 through FSDP2's mixed-precision policy: bfloat16 parameters for the
+    forward and backward, gradients reduced in float32."""
+    run = runs["bf16-fsdp"][1]
+    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
+    assert "Warning" not in run.output and "Traceback" not in run.output, run.output

@@ -19,6 +19,7 @@ import pytest
 from conftest import (
     EPOCHS,
     STAGES,
+    TORCHRUN_STAGES,
     Run,
     Runs,
     assert_bitwise_equal,
@@ -36,7 +37,6 @@ CASES = [(stage, "SIGTERM") for stage in STAGES]  # a launcher each: python, spa
 CASES += [(stage, "SIGINT") for stage in ("single_gpu", "multigpu", "multinode")]  # Ctrl-C
 CASES += [(stage, "SIGUSR1") for stage in ("single_gpu", "multigpu")]  # torchrun: README
 EPOCH_END = {"single_gpu": 48, "multigpu": 24}  # 640 = 13 x 48 + 16: the last step is short
-TORCHRUN_STAGES = ("multigpu_torchrun", "multinode")
 DROPOUT = ["--arch", "squeezenet1_1"]  # a torchvision model with dropout
 SECOND_CTRL_C = [(stage, "workers") for stage in STAGES]
 SECOND_CTRL_C += [(stage, "save") for stage in ("single_gpu", "multigpu")]
