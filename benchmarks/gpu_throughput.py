@@ -3,7 +3,7 @@ bounds none can beat.
 
     python benchmarks/gpu_throughput.py                   # ResNet-18, 10,000 PNGs, fp32 and bf16
     python benchmarks/gpu_throughput.py --compile         # the same with --compile everywhere
-    python benchmarks/gpu_throughput.py --device cpu --images 256 --batches 16 --epochs 2
+    python benchmarks/gpu_throughput.py --device cpu --images 256 --batches 16 --seconds 1
 
 For every batch size and precision it measures, in this order:
   loader     the stages' data loader alone (same folder, transforms, workers, pinned memory)
@@ -13,13 +13,16 @@ For every batch size and precision it measures, in this order:
              (benchmarks/peers.py; the last three when they are installed)
   stages     each script as a user launches it on one GPU (world size 1)
 Runners: samples/s of training over wall time, evaluation of the held-out images included, the
-median of epochs 2 and later (the first one pays for start-up). One table, with each runner's
-share of min(loader, bare step). Goal: every stage at least the plain loop and Lightning, and 0.85
-of the bound at batch 256.
+median of epochs 2 and later (the first one pays for start-up). An epoch lasts --seconds (5) or
+more: the folder repeats its images (links) until the fastest bound needs that long for them. The
+runners take turns, in one order and then the reverse, --rounds times (3); each cell is the median
+of its rounds, its spread (max - min, in % of the median) and its share of min(loader, bare step).
+Goal: every stage at least the plain loop and Lightning, and 0.85 of the bound at batch 256.
 """
 
 import argparse
 import importlib.util
+import math
 import os
 import re
 import socket
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-STAGES = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode"]
+STAGES = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode", "fsdp"]
 PEERS = ["plain", "lightning", "fabric", "accelerate"]
 RATE = re.compile(r"^Epoch (\d+) \| .*?(\d+) samples/s$", re.M)
 
@@ -67,6 +70,13 @@ def make_folder(root: Path, images: int, val: int, classes: int = 10) -> None:
             noise = 55 * torch.rand(32, 32, 3, generator=generator)
             pixels = (colours[i % classes] + noise).clamp(0, 255).to(torch.uint8).numpy()
             Image.fromarray(pixels).save(root / split / f"class{i % classes}" / f"{i}.png")
+
+
+def repeat_images(root: Path, times: int) -> None:
+    """Each training image `times` times over, as links: longer epochs, no more PNGs to write."""
+    for image in list((root / "train").glob("*/*.png")):
+        for copy in range(1, times):
+            image.with_name(f"{image.stem}_{copy}.png").symlink_to(image.name)
 
 
 def loader_rate(single, data_dir: Path, batch: int, device: torch.device, epochs: int) -> float:
@@ -138,6 +148,7 @@ def runner_rate(stage: str, opts, data_dir: Path, batch: int, precision: str, en
         "multigpu": [sys.executable, script, "--world_size", "1"],
         "multigpu_torchrun": [TORCHRUN, "--standalone", "--nproc_per_node=1", script],
         "multinode": [TORCHRUN, "--nnodes=1", "--nproc_per_node=1", *rendezvous, script],
+        "fsdp": [TORCHRUN, "--nnodes=1", "--nproc_per_node=1", *rendezvous, script],
     }
     command = commands.get(stage, [sys.executable])
     with tempfile.TemporaryDirectory() as cwd:
@@ -177,7 +188,9 @@ def main() -> None:
     parser.add_argument("--batches", default="32,256", help="batch sizes (32,256)")
     parser.add_argument("--precisions", default="fp32,bf16", help="(fp32,bf16)")
     parser.add_argument("--compile", action="store_true", help="--compile in every run")
-    parser.add_argument("--epochs", type=int, default=6, help="per run; the 1st is left out (6)")
+    parser.add_argument("--epochs", type=int, default=4, help="per run; the 1st is left out (4)")
+    parser.add_argument("--seconds", type=float, default=5, help="an epoch at least (5)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each runner (3)")
     parser.add_argument("--steps", type=int, default=50, help="bare steps per timing (50)")
     parser.add_argument("--warmup", type=int, default=10, help="bare steps before timing (10)")
     parser.add_argument("--workers", type=int, help="loader processes (GPU: 8, CPU: 0)")
@@ -200,25 +213,36 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d')}; {name}; torch {torch.__version__}; ResNet-18", flush=True)
     print(f"{opts.images} training PNGs of 32x32; --compile {compiled}", flush=True)
     stages = [runner for runner in opts.runners.split(",") if available(runner, opts)]
-    header = f"{'batch':>5} {'precision':>9} {'loader':>8} {'bare':>8}"
-    print(header + "".join(f" {s[:19]:>19}" for s in stages) + "  (samples/s, share of the bound)")
-    worst = 1.0
+    bounds = {}  # (batch, precision): (loader, bare step)
     for batch in map(int, opts.batches.split(",")):
         loader = loader_rate(single, data_dir, batch, device, opts.epochs)
         for precision in opts.precisions.split(","):
-            bare = bare_rate(single, opts, batch, precision, device)
+            bounds[batch, precision] = loader, bare_rate(single, opts, batch, precision, device)
             torch.compiler.reset()  # nothing of the bare runs on the GPU while the stages run:
             if device.type == "cuda":  # neither compiled graphs nor cached memory
                 torch.cuda.empty_cache()
-            bound = min(loader, bare)
-            cells = []
-            for stage in stages:
-                rate = runner_rate(stage, opts, data_dir, batch, precision, env)
-                if stage in STAGES:
-                    worst = min(worst, rate / bound)
-                cells.append(f" {rate:>11.0f} ({rate / bound:.2f})")
-            row = f"{batch:>5} {precision:>9} {loader:>8.0f} {bare:>8.0f}" + "".join(cells)
-            print(row, flush=True)
+    fastest = max(min(rates) for rates in bounds.values())
+    times = math.ceil(opts.seconds * fastest / opts.images)
+    if not opts.data_dir:
+        repeat_images(data_dir, times)
+    print(f"each image {times} times an epoch: {opts.seconds:g} s or more at {fastest:.0f}/s")
+    header = f"{'batch':>5} {'precision':>9} {'loader':>8} {'bare':>8}"
+    print(header + "".join(f" {s[:22]:>22}" for s in stages) + "  (samples/s, spread, share)")
+    worst = 1.0
+    for (batch, precision), (loader, bare) in bounds.items():
+        bound = min(loader, bare)
+        rates = {stage: [] for stage in stages}
+        for turn in range(opts.rounds):  # in turns, each order as often: drifts cancel out
+            for stage in stages if turn % 2 == 0 else stages[::-1]:
+                rates[stage].append(runner_rate(stage, opts, data_dir, batch, precision, env))
+        cells = []
+        for stage in stages:
+            rate = statistics.median(rates[stage])
+            spread = (max(rates[stage]) - min(rates[stage])) / rate
+            if stage in STAGES:
+                worst = min(worst, rate / bound)
+            cells.append(f" {rate:>9.0f} {spread:>4.0%} ({rate / bound:.2f})")
+        print(f"{batch:>5} {precision:>9} {loader:>8.0f} {bare:>8.0f}" + "".join(cells), flush=True)
     print(f"lowest share of min(loader, bare step) of a stage: {worst:.2f} (goal: 0.85)")
     folder.cleanup()
 
