@@ -12,6 +12,7 @@ import pytest
 from conftest import (
     EPOCH_LINE,
     EPOCHS,
+    NODE_STAGES,
     STAGES,
     assert_bitwise_equal,
     assert_same_model,
@@ -38,7 +39,7 @@ def test_sbatch_file_runs(slurm_jobs, stage):
     epochs = EPOCH_LINE.findall("\n".join(lines))
     assert [(int(e), int(batch)) for e, _, _, _, batch, _ in epochs] == [(1, GLOBAL_BATCH[stage])]
     assert load(cwd / f"{stage}.pt")["epoch"] == 1
-    if stage in ("multinode", "fsdp"):  # one torchrun on each node
+    if stage in NODE_STAGES:  # one torchrun on each node
         assert {line for line in lines if line.startswith("node")} == {"node1", "node2"}, log
 
 

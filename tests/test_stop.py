@@ -27,6 +27,7 @@ from conftest import (
     global_batch_args,
     launch,
     load,
+    own_output,
     processes_in,
     stage_env,
     start,
@@ -134,10 +135,12 @@ def second_ctrl_c(stage: str, cwd: Path, hang: str) -> dict:
     (processes a second after), "epoch" of the snapshot, "output"}."""
     cwd.mkdir()
     if hang == "save":
-        env, args, line = stage_env(FAULT_SAVE="slow:600", FAULT_SAVE_FROM="2"), [], "Epoch 2 "
+        env = stage_env(FAULT_SAVE="slow:600", FAULT_SAVE_FROM="2")
+        procs = start(stage, [EPOCHS, 1], cwd, env=env)
+        line = "Epoch 2 "
     else:
-        env, args, line = stage_env(), ["--workers", 1], "Epoch 1 "
-    procs = start(stage, [EPOCHS, 1, *args], cwd, env=env)
+        procs = start(stage, [EPOCHS, 1, "--workers", 1], cwd)
+        line = "Epoch 1 "
     deadline = threading.Timer(300, lambda: [proc.kill() for proc in procs])  # a hang ends too
     deadline.start()
     lines = []
@@ -254,7 +257,7 @@ def assert_stopped_cleanly(stopped: dict, name: str, stage: str) -> None:
     """What the README says a user sees: python and spawn's launcher exit with 128 + the signal
     and no traceback; torchrun (each node's) prints its own SignalException traceback and exits
     1. Within 30 s, one stop line, saved where it says."""
-    output = stopped["output"]
+    output = own_output(stopped["output"])
     signum = int(signal.Signals[name])
     if stage in TORCHRUN_STAGES:
         agents = len(stopped["codes"])
