@@ -1,7 +1,7 @@
 """Stage 3 of 5, torchrun: torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10
 
 50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
-command resumes it. The next stages add distribution only.
+command resumes it.
 """
 
 import argparse
@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 
 import torch
@@ -27,7 +28,7 @@ stop_signals: list[int] = []
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
-    """Stop after the optimizer step; after a Ctrl-C, the next stop signal ends it at once."""
+    """Stop after the optimizer step; after a Ctrl-C, the next stop signal ends it now."""
     stop_signals.append(signum)
     if signum == signal.SIGINT:
         for stop in STOP_SIGNALS:
@@ -38,7 +39,7 @@ def start_loader_worker(worker_id: int) -> None:
     """Stops are for the training process; the worker dies with it."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too: test_stop.py
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too
 
 
 def setup(local_rank: int, global_rank: int) -> torch.device:
@@ -53,10 +54,10 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)
-        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for float32
+        torch.set_float32_matmul_precision("high")  # TF32 for float32
     backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, gloo for CPUs
     dist.init_process_group(backend, rank=global_rank, device_id=device if gpus else None)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphans: test_faults.py
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphans
     return device
 
 
@@ -65,7 +66,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
     if data_dir is None:
         if augment != "none":
             raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
-        g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, noisy
+        g = torch.Generator().manual_seed(1234)  # noisy class prototypes
         labels = torch.randint(10, (720,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size)
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, size, size, generator=g)
@@ -91,7 +92,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 
 class EpochSampler(DistributedSampler):
-    """Shuffled by seed and epoch; from the `start`-th sample on (a resume)."""
+    """Shuffled by seed and epoch; from the `start`-th sample on (resumed)."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         super().__init__(dataset, seed=seed)
@@ -102,7 +103,7 @@ class EpochSampler(DistributedSampler):
 
 
 def build_model(arch: str, classes: int, size: int) -> nn.Module:
-    """convnet: a small CNN with GroupNorm, which is the same at any number of ranks."""
+    """convnet: a small CNN with GroupNorm (the same at any number of ranks)."""
     if arch == "convnet":
         # fmt: off
         model = nn.Sequential(
@@ -118,7 +119,7 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    try:  # ViT takes 224 only, VGG 32 or more
+    try:  # ViT takes 224 only
         with torch.no_grad():
             model.eval()(torch.zeros(1, 3, size, size))
     except (RuntimeError, AssertionError) as e:
@@ -136,10 +137,14 @@ def load_snapshot(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict
 ) -> tuple:
     """Where to resume: (epochs done, samples and loss sum of the next)."""
+    sizes = [None] * dist.get_world_size()  # one file for every rank, or none
+    dist.all_gather_object(sizes, os.path.getsize(path) if os.path.exists(path) else None)
+    if sizes != [sizes[0]] * len(sizes):
+        raise ValueError(f"ranks resume from different snapshots: share {path}")
     if not os.path.exists(path):
         return 0, 0, 0.0
     try:
-        snapshot = torch.load(path, map_location="cpu", weights_only=True)  # runs no code
+        snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # runs no code
         ran = snapshot.get("run", run)
         differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
         if differs:
@@ -154,7 +159,7 @@ def load_snapshot(
 
 
 def save_snapshot(path: str, snapshot: dict) -> bool:
-    """Written beside the last one, then renamed over it: a crash or a full disk keeps the last."""
+    """Written beside the last one, then renamed over it: a crash or full disk keeps the last."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(f"{path}.tmp", "wb") as f:
@@ -190,14 +195,8 @@ class Trainer:
         try:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         except ValueError as e:
-            self.resume = str(e)  # said after the gather
-        loaded = [None] * dist.get_world_size()
-        dist.all_gather_object(loaded, self.resume)  # all resume from one place
-        if loaded != [loaded[0]] * len(loaded):
-            self.resume = f"ranks resume from different snapshots: share {args.snapshot_path}"
-        if isinstance(self.resume, str):
             dist.destroy_process_group()
-            sys.exit(f"error: {self.resume}" if self.global_rank == 0 else 1)
+            sys.exit(f"error: {e}" if self.global_rank == 0 else 1)
         self.cpu_group = dist.new_group(backend="gloo")  # stops, saves: no GPU waits
         self.stop = torch.tensor(0)
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
@@ -231,7 +230,7 @@ class Trainer:
         """From the epoch's `samples`-th sample on: loss sum, samples, stop signal or 0."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        # Resumed: after the last step trained (a short one too).
+        # Resumed: after the last step trained.
         first = math.ceil(samples / (sampler.num_replicas * self.args.batch_size))
         sampler.start = first * self.args.batch_size
         steps = len(self.train_data)
@@ -320,7 +319,7 @@ def prepare_dataloaders(
     load.update(worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
-    # BatchNorm cannot train on one sample: a last batch of one is left out, but an only one.
+    # BatchNorm cannot train on one sample: no last batch of one, unless it is the only one.
     one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
@@ -340,7 +339,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
     device = setup(local_rank, global_rank)
     if args.deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read once, as cuBLAS starts
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read as cuBLAS starts
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
     model.to(device)
@@ -352,7 +351,11 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     run["batch"] = args.batch_size * args.grad_accum * dist.get_world_size()
     train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
     trainer = Trainer(model, train_data, val_data, device, args, run)
-    code = trainer.train()
+    try:
+        code = trainer.train()
+    except Exception:  # workers end now, not at exit
+        traceback.print_exc()
+        code = 1
     del trainer, train_data, val_data  # loader workers end before the exit functions
     dist.destroy_process_group()
     atexit._run_exitfuncs()  # pytorch#107298 (gloo aborts exit); test_faults.py

@@ -1,7 +1,7 @@
 """Stage 1 of 5, one process on one GPU or the CPU: python single_gpu.py 50 10
 
 50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
-command resumes it. The next stages add distribution only.
+command resumes it.
 """
 
 import argparse
@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 
 import torch
@@ -25,7 +26,7 @@ stop_signals: list[int] = []
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
-    """Stop after the optimizer step; after a Ctrl-C, the next stop signal ends it at once."""
+    """Stop after the optimizer step; after a Ctrl-C, the next stop signal ends it now."""
     stop_signals.append(signum)
     if signum == signal.SIGINT:
         for stop in STOP_SIGNALS:
@@ -36,7 +37,7 @@ def start_loader_worker(worker_id: int) -> None:
     """Stops are for the training process; the worker dies with it."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too: test_stop.py
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too
 
 
 def setup() -> torch.device:
@@ -44,7 +45,7 @@ def setup() -> torch.device:
     gpus = torch.cuda.device_count()
     device = torch.device("cuda") if gpus else torch.device("cpu")
     if gpus:
-        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for float32
+        torch.set_float32_matmul_precision("high")  # TF32 for float32
     return device
 
 
@@ -53,7 +54,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
     if data_dir is None:
         if augment != "none":
             raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
-        g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, noisy
+        g = torch.Generator().manual_seed(1234)  # noisy class prototypes
         labels = torch.randint(10, (720,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size)
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, size, size, generator=g)
@@ -79,7 +80,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 
 class EpochSampler(RandomSampler):
-    """Shuffled by seed and epoch; from the `start`-th sample on (a resume)."""
+    """Shuffled by seed and epoch; from the `start`-th sample on (resumed)."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         super().__init__(dataset, generator=torch.Generator())
@@ -94,7 +95,7 @@ class EpochSampler(RandomSampler):
 
 
 def build_model(arch: str, classes: int, size: int) -> nn.Module:
-    """convnet: a small CNN with GroupNorm, which is the same at any number of ranks."""
+    """convnet: a small CNN with GroupNorm (the same at any number of ranks)."""
     if arch == "convnet":
         # fmt: off
         model = nn.Sequential(
@@ -110,7 +111,7 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    try:  # ViT takes 224 only, VGG 32 or more
+    try:  # ViT takes 224 only
         with torch.no_grad():
             model.eval()(torch.zeros(1, 3, size, size))
     except (RuntimeError, AssertionError) as e:
@@ -131,7 +132,7 @@ def load_snapshot(
     if not os.path.exists(path):
         return 0, 0, 0.0
     try:
-        snapshot = torch.load(path, map_location="cpu", weights_only=True)  # runs no code
+        snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # runs no code
         ran = snapshot.get("run", run)
         differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
         if differs:
@@ -146,7 +147,7 @@ def load_snapshot(
 
 
 def save_snapshot(path: str, snapshot: dict) -> bool:
-    """Written beside the last one, then renamed over it: a crash or a full disk keeps the last."""
+    """Written beside the last one, then renamed over it: a crash or full disk keeps the last."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(f"{path}.tmp", "wb") as f:
@@ -209,7 +210,7 @@ class Trainer:
         """From the epoch's `samples`-th sample on: loss sum, samples, stop signal or 0."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        # Resumed: after the last step trained (a short one too).
+        # Resumed: after the last step trained.
         first = math.ceil(samples / self.args.batch_size)
         sampler.start = first * self.args.batch_size
         steps = len(self.train_data)
@@ -288,7 +289,7 @@ def prepare_dataloaders(
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
     load.update(worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
-    # BatchNorm cannot train on one sample: a last batch of one is left out, but an only one.
+    # BatchNorm cannot train on one sample: no last batch of one, unless it is the only one.
     one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
@@ -307,7 +308,7 @@ def main(args: argparse.Namespace) -> int:
         sys.exit(f"error: {e}")
     device = setup()
     if args.deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read once, as cuBLAS starts
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read as cuBLAS starts
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
     model.to(device)
@@ -317,7 +318,11 @@ def main(args: argparse.Namespace) -> int:
     run["batch"] = args.batch_size * args.grad_accum
     train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
     trainer = Trainer(model, train_data, val_data, device, args, run)
-    return trainer.train()
+    try:
+        return trainer.train()
+    except Exception:  # workers end now, not at exit
+        traceback.print_exc()
+        return 1
 
 
 def natural(text: str, least: int = 0) -> int:
