@@ -2,7 +2,7 @@
 torchrun --nnodes=2 --nproc_per_node=gpu --rdzv-backend=c10d --rdzv-endpoint=HOST fsdp.py 50 10
 
 50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
-command resumes it. The next stages add distribution only.
+command resumes it.
 """
 
 import argparse
@@ -14,23 +14,26 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.checkpoint import state_dict as dcp
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
+WHOLE = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, kept by rank 0
+BROADCAST = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # from rank 0
 # SIGTERM: preemption; SIGUSR1: a time limit is near (not Windows).
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
 stop_signals: list[int] = []
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
-    """Stop after the optimizer step; after a Ctrl-C, the next stop signal ends it at once."""
+    """Stop after the optimizer step; after a Ctrl-C, the next stop signal ends it now."""
     stop_signals.append(signum)
     if signum == signal.SIGINT:
         for stop in STOP_SIGNALS:
@@ -41,7 +44,7 @@ def start_loader_worker(worker_id: int) -> None:
     """Stops are for the training process; the worker dies with it."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too: test_stop.py
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too
 
 
 def setup(local_rank: int, global_rank: int) -> torch.device:
@@ -56,10 +59,10 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)
-        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for float32
+        torch.set_float32_matmul_precision("high")  # TF32 for float32
     backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, gloo for CPUs
     dist.init_process_group(backend, rank=global_rank, device_id=device if gpus else None)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphans: test_faults.py
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphans
     return device
 
 
@@ -68,7 +71,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
     if data_dir is None:
         if augment != "none":
             raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
-        g = torch.Generator().manual_seed(1234)  # a smooth prototype per class, noisy
+        g = torch.Generator().manual_seed(1234)  # noisy class prototypes
         labels = torch.randint(10, (720,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size)
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, size, size, generator=g)
@@ -94,7 +97,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 
 class EpochSampler(DistributedSampler):
-    """Shuffled by seed and epoch; from the `start`-th sample on (a resume)."""
+    """Shuffled by seed and epoch; from the `start`-th sample on (resumed)."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         super().__init__(dataset, seed=seed)
@@ -105,7 +108,7 @@ class EpochSampler(DistributedSampler):
 
 
 def build_model(arch: str, classes: int, size: int) -> nn.Module:
-    """convnet: a small CNN with GroupNorm, which is the same at any number of ranks."""
+    """convnet: a small CNN with GroupNorm (the same at any number of ranks)."""
     if arch == "convnet":
         # fmt: off
         model = nn.Sequential(
@@ -121,7 +124,7 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    try:  # ViT takes 224 only, VGG 32 or more
+    try:  # ViT takes 224 only
         with torch.no_grad():
             model.eval()(torch.zeros(1, 3, size, size))
     except (RuntimeError, AssertionError) as e:
@@ -139,54 +142,68 @@ def load_snapshot(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict
 ) -> tuple:
     """Where to resume: (epochs done, samples and loss sum of the next)."""
+    sizes = [None] * dist.get_world_size()  # one file for every rank, or none
+    dist.all_gather_object(sizes, os.path.getsize(path) if os.path.exists(path) else None)
+    if sizes != [sizes[0]] * len(sizes):
+        raise ValueError(f"ranks resume from different snapshots: share {path}")
     if not os.path.exists(path):
         return 0, 0, 0.0
     try:
-        snapshot = torch.load(path, map_location="cpu", weights_only=True)  # runs no code
+        snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # runs no code
         ran = snapshot.get("run", run)
         differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
         if differs:
             raise ValueError(f"it holds another run ({'; '.join(differs)}): give each its own path")
-        shards = model.state_dict()  # each rank reads the whole file and keeps its shards
-        model.load_state_dict({k: shard(v, shards[k]) for k, v in snapshot["model"].items()})
+        dcp.set_model_state_dict(model, snapshot["model"], options=BROADCAST)  # rank 0 reads it
         for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW
             group.update(fused=optimizer.defaults["fused"], foreach=None)
-        params = list(model.parameters())
-        for i, state in snapshot["optimizer"]["state"].items():
-            state.update({k: shard(v, params[i]) for k, v in state.items()})
-        optimizer.load_state_dict(snapshot["optimizer"])
+        names = keyed(snapshot["optimizer"], [name for name, _ in model.named_parameters()])
+        dcp.set_optimizer_state_dict(model, optimizer, names, options=BROADCAST)
     except Exception as e:
         raise ValueError(f"cannot resume from {path}: {' '.join(str(e).split())[:200]}") from None
     return snapshot["epoch"], snapshot.get("samples", 0), snapshot.get("loss_sum", 0.0)
 
 
-def shard(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a whole tensor, cut as `like` is if it is sharded (a DTensor)."""
-    if isinstance(like, DTensor) and value.dim():
-        return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
-    return value
+def keyed(state: dict, keys: dict | list) -> dict:  # AdamW's: by number (the file) or by name
+    groups = [{**g, "params": [keys[p] for p in g["params"]]} for g in state["param_groups"]]
+    return {"state": {keys[p]: s for p, s in state["state"].items()}, "param_groups": groups}
 
 
-def whole(value: torch.Tensor) -> torch.Tensor:
-    """A sharded tensor made whole on the CPU, as snapshots hold it: every rank takes part."""
-    return value.full_tensor().cpu() if isinstance(value, DTensor) else value
+def blocks(module: nn.Module, limit: int) -> Iterator[nn.Module]:
+    """Repeated blocks (ResNet's, a transformer's layers), outermost first, cut while over limit."""
+    kinds = [type(child) for child in module.children()]
+    for child in module.children():
+        size = sum(p.nbytes for p in child.parameters())
+        cut = size > limit or kinds.count(type(child)) < 2 or isinstance(child, nn.Sequential)
+        if cut and list(child.children()):
+            yield from blocks(child, limit)
+        elif size and kinds.count(type(child)) > 1 and not isinstance(child, FSDPModule):
+            yield child
 
 
-def shard_model(model: nn.Module, precision: str, global_rank: int) -> None:
-    """Each block with parameters, then the rest: a rank keeps 1/N of their parameters, gradients
-    and AdamW state, and gathers a block's parameters for its forward and backward only."""
+def shard_model(model: nn.Module, precision: str, device: torch.device) -> None:
+    """A unit per repeated block, then the rest: each rank keeps 1/N of a unit, gathered for its
+    forward and backward only. Rank 0 built the weights; the others the shapes (meta), filled."""
+    weights = model.state_dict()
     bf16 = torch.bfloat16 if precision == "bf16" else None
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
-    for block in [m for m in model.children() if list(m.parameters())] + [model]:
-        fully_shard(block, mp_policy=policy)
-    if global_rank == 0:
-        mine = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        total = sum(p.numel() * p.element_size() for p in model.parameters())
-        print(f"FSDP: a rank holds {mine:,} of {total:,} parameter bytes, and of AdamW's 2x")
+    norms = [m for m in model.modules() if getattr(m, "running_mean", None) is not None]
+    if norms:  # BatchNorm: float32 weights, as its float32 statistics
+        fully_shard(norms, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))
+    total = sum(p.nbytes for p in model.parameters())
+    units = [*blocks(model, total // 4), model]  # at most a quarter of the model, where it can
+    sizes = [sum(p.nbytes for p in unit.parameters()) for unit in units[:-1]]
+    for unit in units:
+        fully_shard(unit, mp_policy=policy)
+    model.to_empty(device=device)
+    dcp.set_model_state_dict(model, weights, options=BROADCAST)
+    if dist.get_rank() == 0:
+        largest = max(*sizes, total - sum(sizes))
+        print(f"FSDP: {len(units) + bool(norms)} units, the largest {largest:,} of {total:,} bytes")
 
 
 def save_snapshot(path: str, snapshot: dict) -> bool:
-    """Written beside the last one, then renamed over it: a crash or a full disk keeps the last."""
+    """Written beside the last one, then renamed over it: a crash or full disk keeps the last."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(f"{path}.tmp", "wb") as f:
@@ -222,29 +239,23 @@ class Trainer:
         try:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         except ValueError as e:
-            self.resume = str(e)  # said after the gather
-        loaded = [None] * dist.get_world_size()
-        dist.all_gather_object(loaded, self.resume)  # all resume from one place
-        if loaded != [loaded[0]] * len(loaded):
-            self.resume = f"ranks resume from different snapshots: share {args.snapshot_path}"
-        if isinstance(self.resume, str):
             dist.destroy_process_group()
-            sys.exit(f"error: {self.resume}" if self.global_rank == 0 else 1)
+            sys.exit(f"error: {e}" if self.global_rank == 0 else 1)
         self.cpu_group = dist.new_group(backend="gloo")  # stops, saves: no GPU waits
         self.stop = torch.tensor(0)
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
         self.train_model = model
-        if args.compile:  # no CUDA graphs: FSDP communicates inside the step
-            self.train_model = torch.compile(self.train_model)
+        if args.compile:  # CUDA graphs launch steps at once; replays overwrite summed gradients
+            mode = None  # FSDP communicates inside the step: no CUDA graphs
+            self.train_model = torch.compile(self.train_model, mode=mode)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
         saved = True
-        model = {k: whole(v) for k, v in self.model.state_dict().items()}
-        optimizer = self.optimizer.state_dict()
-        states = optimizer["state"].items()
-        optimizer["state"] = {i: {k: whole(v) for k, v in state.items()} for i, state in states}
+        model = dcp.get_model_state_dict(self.model, options=WHOLE)
+        optimizer = dcp.get_optimizer_state_dict(self.model, self.optimizer, options=WHOLE)
         if self.global_rank == 0:
-            snapshot = dict(model=model, optimizer=optimizer)
+            numbers = {name: i for i, (name, _) in enumerate(self.model.named_parameters())}
+            snapshot = dict(model=model, optimizer=keyed(optimizer, numbers))
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
             saved = save_snapshot(self.args.snapshot_path, snapshot)
         done = torch.tensor(int(saved))
@@ -254,7 +265,8 @@ class Trainer:
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         source = source.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        loss_sum = F.cross_entropy(self.train_model(source).float(), targets, reduction="sum")
+        with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
+            loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
         # The global batch's mean, at any micro-batch and number of ranks.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
@@ -263,7 +275,7 @@ class Trainer:
         """From the epoch's `samples`-th sample on: loss sum, samples, stop signal or 0."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        # Resumed: after the last step trained (a short one too).
+        # Resumed: after the last step trained.
         first = math.ceil(samples / (sampler.num_replicas * self.args.batch_size))
         sampler.start = first * self.args.batch_size
         steps = len(self.train_data)
@@ -306,7 +318,7 @@ class Trainer:
             val_batches = iter(self.val_data)  # loaded while the epoch trains
             loss_sum, samples, stopped = self._run_epoch(epoch, skipped)
             correct = 0 if stopped else evaluate(self.model, val_batches, self.device)
-            evaluated = len(self.val_data.dataset)
+            evaluated = self.run["data"][2] if self.global_rank == 0 else 0  # the copies left out
             figures = torch.tensor([loss_sum, samples, correct, evaluated], dtype=torch.float64)
             dist.all_reduce(figures, group=self.cpu_group)  # summed over the ranks
             loss_sum, samples, correct, evaluated = figures.tolist()
@@ -350,9 +362,11 @@ def prepare_dataloaders(
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
     load.update(worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
-    shared = len(val_set) - len(val_set) % sampler.num_replicas  # as many forwards on every rank
-    val_set = Subset(val_set, range(sampler.rank, shared, sampler.num_replicas))
-    # BatchNorm cannot train on one sample: a last batch of one is left out, but an only one.
+    pad = -len(val_set) % sampler.num_replicas  # as many forwards on every rank: copies, 0 right
+    copies = TensorDataset(val_set[0][0].expand(pad, -1, -1, -1), torch.full((pad,), -1))
+    val_set = torch.utils.data.ConcatDataset([val_set, copies])
+    val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
+    # BatchNorm cannot train on one sample: no last batch of one, unless it is the only one.
     one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
@@ -365,27 +379,34 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     try:
         train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
-        model = build_model(args.arch, classes, args.image_size)
+        try:  # rank 0 builds the weights; the others shapes only (meta), where the model can
+            with torch.device("meta" if global_rank else "cpu"):
+                model = build_model(args.arch, classes, args.image_size)
+        except NotImplementedError:  # RegNet computes its widths with tensors
+            model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
     except ValueError as e:  # bad input: one line
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
     device = setup(local_rank, global_rank)
     if args.deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read once, as cuBLAS starts
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read as cuBLAS starts
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
-    model.to(device)
     if device.type == "cuda":  # BatchNorm statistics over all ranks
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    shard_model(model, args.precision, global_rank)  # before the optimizer sees its parameters
+    shard_model(model, args.precision, device)  # before the optimizer sees its parameters
     # What decides the result: another run's snapshot is refused.
     run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
     run.update(data=[classes, len(train_set), len(val_set), args.image_size])
     run["batch"] = args.batch_size * args.grad_accum * dist.get_world_size()
     train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
     trainer = Trainer(model, train_data, val_data, device, args, run)
-    code = trainer.train()
+    try:
+        code = trainer.train()
+    except Exception:  # workers end now, not at exit
+        traceback.print_exc()
+        code = 1
     del trainer, train_data, val_data  # loader workers end before the exit functions
     dist.destroy_process_group()
     atexit._run_exitfuncs()  # pytorch#107298 (gloo aborts exit); test_faults.py
