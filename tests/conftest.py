@@ -46,6 +46,7 @@ TEST_HOOKS = (
     "MASTER_",
     "TAKE_PORT",
     "RECORD_THREADS",
+    "RECORD_DTYPES",
 )
 
 
@@ -528,8 +529,17 @@ def runs(tmp_path_factory):
     # fsdp.py: the global batch (64) from micro-batches (2 processes x 8 x 4), and in bf16.
     args = [EPOCHS, EPOCHS, "--batch_size", 8, "--grad_accum", 4]
     runs.start("accumulate-fsdp", folder("accumulate-fsdp"), stage="fsdp", args=args)
-    args = [1, 1, "--precision", "bf16"]
-    runs.start("bf16-fsdp", folder("bf16-fsdp"), stage="fsdp", args=args)
+    # In bf16 with a BatchNorm model, each layer's dtype in its forward recorded.
+    cwd = folder("bf16-fsdp")
+    args = [1, 1, "--precision", "bf16", "--arch", "resnet18"]
+    env = stage_env(RECORD_DTYPES=str(cwd))
+    runs.start("bf16-fsdp", cwd, stage="fsdp", args=args, env=env)
+    # An error in a step (rank 0, its second), with 2 loader workers a process: they must have
+    # ended before the exit functions start (test_faults.py).
+    for stage in ("single_gpu", "multigpu", "fsdp"):
+        cwd = folder(f"error-{stage}")
+        env = stage_env(FAULT_STEP_RAISE="2", EXIT_WORKERS=str(cwd))
+        runs.start(f"error-{stage}", cwd, stage=stage, args=[2, 1, "--workers", 2], env=env)
     # The second save writes half a file, then the process is SIGKILLed; then the same folder,
     # copied, starts again. --deterministic: it changes nothing on the CPU, and resumes exactly.
     save, save_resume = folder("save"), folder("save-resume")

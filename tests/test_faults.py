@@ -103,6 +103,18 @@ def test_loader_workers_end_before_the_exit_functions(runs, stage):
     assert all(run.ended - float(at) < 10 for _, at in counts), (counts, run.ended)  # 6 runs a core
 
 
+@pytest.mark.parametrize("stage", ["single_gpu", "multigpu", "fsdp"])  # torchrun's stages alike
+def test_an_error_in_a_step_ends_the_loader_workers_at_once(runs, stage):
+    """Rank 0 raises in its second step, with 2 loader workers a process: one traceback, a failing
+    exit code, and no loader worker alive when its exit functions start (on a GPU with torch
+    before 2.13 each would be joined for 5 s there: 16 workers held an error for 80 s)."""
+    cwd, run = runs[f"error-{stage}"]
+    assert run.returncode != 0 and "RuntimeError: injected failure in a step" in run.output
+    counts = [path.read_text().split() for path in cwd.glob("workers-*")]
+    assert counts and all(alive == "0" for alive, _ in counts), (counts, run.output)
+    assert all(run.ended - float(at) < 10 for _, at in counts), (counts, run.ended)
+
+
 def test_ranks_that_load_different_files_stop_at_once(runs):
     """A file that one rank cannot read: one error line for the job, nobody trains, and no rank
     waits for another until a timeout."""

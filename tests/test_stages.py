@@ -172,8 +172,9 @@ def small_trainer(stage, tmp_path, samples: int = 8) -> object:
     train_data, val_data = stage.prepare_dataloaders(data, data, args, gpu=False)
     model = stage.build_model("convnet", 10, 32)
     if hasattr(stage, "shard_model"):  # fsdp.py
-        stage.shard_model(model, "fp32", 0)
-    return stage.Trainer(model, train_data, val_data, torch.device("cpu"), args, {"batch": 2})
+        stage.shard_model(model, "fp32", torch.device("cpu"))
+    run = {"batch": 2, "data": [10, samples, samples, 32]}
+    return stage.Trainer(model, train_data, val_data, torch.device("cpu"), args, run)
 
 
 @pytest.fixture
@@ -346,25 +347,85 @@ def test_a_process_takes_the_cores_of_its_cpu_set(runs, name):
     assert len(threads) >= 2 and set(threads) == {1}, threads
 
 
-def test_fsdp_keeps_a_shard_of_each_tensor_a_rank(reference_runs):
-    """fsdp.py with 2 processes: each rank holds half of every parameter (its first dimension cut
-    in two, rank 0 the larger half), so rank 0 says that it holds that many of the model's bytes;
-    the snapshot holds the whole model."""
+def test_fsdp_says_its_units(reference_runs):
+    """fsdp.py's start line: how many units, the largest's bytes and the model's; the snapshot
+    holds the whole model."""
     cwd, run = reference_runs["fsdp"]
     model = single_gpu().build_model("convnet", 10, 32)
-    total = sum(p.numel() * 4 for p in model.parameters())
-    mine = sum(-(-len(p) // 2) * p[0].numel() * 4 for p in model.parameters())
-    line = f"FSDP: a rank holds {mine:,} of {total:,} parameter bytes, and of AdamW's 2x"
-    assert run.output.count(line) == 1 and mine < total * 0.51, run.output
+    total = sum(p.nbytes for p in model.parameters())
+    sizes = [sum(p.nbytes for p in unit.parameters()) for unit in fsdp().blocks(model, total // 4)]
+    largest = max(*sizes, total - sum(sizes))
+    line = f"FSDP: {len(sizes) + 1} units, the largest {largest:,} of {total:,} bytes"
+    assert run.output.count(line) == 1 and len(sizes) == 6, run.output
     snapshot = load(cwd / "snapshot.pt")
     for name, tensor in model.state_dict().items():
         assert snapshot["model"][name].shape == tensor.shape, name
 
 
+def fsdp():
+    return stage_module("fsdp")
+
+
+MODELS = ["resnet18", "resnet50", "vit_b_16", "convnext_tiny", "efficientnet_b0", "mobilenet_v2"]
+MODELS += ["mobilenet_v3_large", "regnet_y_400mf", "densenet121", "swin_t", "squeezenet1_0"]
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_fsdp_makes_a_unit_of_each_repeated_block(arch):
+    """Every repeated block its own unit (ResNet's, a transformer's layers, ConvNeXt's...), none
+    over about a quarter of the model's parameter bytes, the rest in the root's unit."""
+    from torchvision import models
+
+    model = models.get_model(arch, num_classes=10)
+    total = sum(p.nbytes for p in model.parameters())
+    units = list(fsdp().blocks(model, total // 4))
+    sizes = [sum(p.nbytes for p in unit.parameters()) for unit in units]
+    assert len(units) >= 8 and max(*sizes, total - sum(sizes)) <= 0.3 * total, (arch, sizes)
+    kinds = {type(unit).__name__ for unit in units}
+    expected = {"resnet18": "BasicBlock", "vit_b_16": "EncoderBlock", "convnext_tiny": "CNBlock"}
+    assert expected.get(arch, next(iter(kinds))) in kinds, kinds
+
+
+def test_fsdp_shards_each_block_as_a_unit(tmp_path, world_of_one):
+    """shard_model() makes each repeated block an FSDP unit (layer4's, each over a quarter of the
+    model, are cut into their convolutions), and BatchNorm one unit of its own that keeps float32
+    weights in bf16 (its running statistics are float32)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchvision import models
+
+    model = models.get_model("resnet18", num_classes=10)
+    blocks = [m for m in model.modules() if isinstance(m, models.resnet.BasicBlock)]
+    fsdp().shard_model(model, "bf16", torch.device("cpu"))
+    assert all(isinstance(block, FSDPModule) for block in blocks[:6])  # layer4's: over a quarter
+    assert all(isinstance(block.conv2, FSDPModule) for block in blocks[6:])
+    assert isinstance(model.bn1, FSDPModule) and isinstance(model, FSDPModule)
+    assert model.bn1._get_fsdp_state()._mp_policy.param_dtype is None
+    assert blocks[0]._get_fsdp_state()._mp_policy.param_dtype == torch.bfloat16
+
+
 def test_fsdp_trains_in_bf16(runs):
-    """--precision bf16 through FSDP2's mixed-precision policy: bfloat16 parameters for the
-    forward and backward, gradients reduced in float32."""
-    run = runs["bf16-fsdp"][1]
+    """--precision bf16 through FSDP2's mixed-precision policy, with ResNet-18's BatchNorm: the
+    convolutions and the linear layer run on bfloat16 weights, and it learns."""
+    cwd, run = runs["bf16-fsdp"]
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
     output = own_output(run.output)
     assert "Warning" not in output and "Traceback" not in output, run.output
+    dtypes = [path.read_text().split() for path in cwd.glob("dtypes-*")]
+    assert len(dtypes) == 2 and all(d == ["Conv2d:torch.bfloat16", "Linear:torch.bfloat16"]
+                                     for d in dtypes), dtypes  # fmt: skip
+
+
+def test_fsdp_evaluates_every_held_out_image_once(monkeypatch, world_of_one):
+    """2 held-out images at 4 ranks: each rank runs one forward; rank 3's is a copy that never
+    counts (target -1); the job's count is the held-out set's, taken once."""
+    import torch.distributed as dist
+    from torch.utils.data import TensorDataset
+
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 3)
+    args = argparse.Namespace(workers=0, batch_size=2, seed=0)
+    data = TensorDataset(torch.zeros(8, 3, 4, 4), torch.zeros(8, dtype=torch.int64))
+    val = TensorDataset(torch.ones(2, 3, 4, 4), torch.tensor([1, 2]))
+    _, val_data = fsdp().prepare_dataloaders(data, val, args, gpu=False)
+    batches = list(val_data)
+    assert len(batches) == 1 and batches[0][1].tolist() == [-1], batches

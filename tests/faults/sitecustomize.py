@@ -23,6 +23,9 @@ themselves carry no test hooks:
   RECORD_THREADS=DIR              at exit, write DIR/threads-PID: torch's intra-op threads
   FAULT_STEP_SLEEP=SECONDS        every optimizer step takes that much longer (a slow GPU), so
                                   that a signal sent during an epoch arrives before its end
+  FAULT_STEP_RAISE=N              rank 0 raises after its N-th optimizer step (an error in a step)
+  RECORD_DTYPES=DIR               at exit, write DIR/dtypes-PID: the dtype of each convolution's
+                                  and linear layer's weight as its forward ran (a set, sorted)
 """
 
 import os
@@ -102,6 +105,41 @@ if os.environ.get("FAULT_STEP_SLEEP"):
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(lambda *_: time.sleep(float(os.environ["FAULT_STEP_SLEEP"])))
+
+if os.environ.get("FAULT_STEP_RAISE"):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _raise_steps = [0]
+
+    def _raise_after_step(*_) -> None:
+        import torch.distributed as dist
+
+        _raise_steps[0] += 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0 and _raise_steps[0] == int(os.environ["FAULT_STEP_RAISE"]):
+            raise RuntimeError("injected failure in a step")
+
+    register_optimizer_step_post_hook(_raise_after_step)
+
+if os.environ.get("RECORD_DTYPES"):
+    import atexit
+
+    import torch
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    _dtypes = set()
+
+    def _note_dtype(module, args) -> None:
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+            _dtypes.add(f"{type(module).__name__}:{module.weight.dtype}")
+
+    def _write_dtypes() -> None:
+        path = os.path.join(os.environ["RECORD_DTYPES"], f"dtypes-{os.getpid()}")
+        with open(path, "w") as f:
+            f.write(" ".join(sorted(_dtypes)))
+
+    register_module_forward_pre_hook(_note_dtype)
+    atexit.register(_write_dtypes)
 
 HOOKS = ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR", "FAULT_SAVE")
 if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIGNAL"):
