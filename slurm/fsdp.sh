@@ -3,7 +3,7 @@
 # allocation (c10d rendezvous) and start one process per allocated GPU each (CPU_PROCS per node on a CPU-only cluster).
 # Submit from the repository root with your Python environment active:
 #   sbatch slurm/fsdp.sh [total_epochs save_every flags...]   (default: 50 10)
-#   sbatch --gpus-per-node=0 slurm/multinode.sh                    (a CPU-only cluster)
+#   sbatch --gpus-per-node=0 slurm/fsdp.sh                    (a CPU-only cluster)
 # The repository folder (the snapshot is written there) must be on storage every node sees.
 # Add what your site needs, e.g. #SBATCH --partition=NAME and #SBATCH --account=NAME.
 # Process LOCAL_RANK uses GPU LOCAL_RANK: torchrun's processes see all of the node's GPUs.
