@@ -405,14 +405,15 @@ def test_fsdp_shards_each_block_as_a_unit(tmp_path, world_of_one):
 
 def test_fsdp_trains_in_bf16(runs):
     """--precision bf16 through FSDP2's mixed-precision policy, with ResNet-18's BatchNorm: the
-    convolutions run on bfloat16 weights in every training process."""
+    convolutions and the linear layer train on bfloat16 weights in every training process."""
     cwd, run = runs["bf16-fsdp"]
     assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
     output = own_output(run.output)
     assert "Warning" not in output and "Traceback" not in output, run.output
     dtypes = [path.read_text().split() for path in cwd.glob("dtypes-*")]
     trained = [d for d in dtypes if d]  # torchrun's agents run no layer
-    assert len(trained) == 2 and all("Conv2d:torch.bfloat16" in d for d in trained), dtypes
+    bf16 = ["Conv2d:torch.bfloat16", "Linear:torch.bfloat16"]
+    assert len(trained) == 2 and all(d == bf16 for d in trained), dtypes
 
 
 def test_fsdp_evaluates_every_held_out_image_once(monkeypatch, world_of_one):
