@@ -81,11 +81,14 @@ def stage_env(**extra: str) -> dict:
     return env
 
 
-TORCHRUN_LOG = re.compile(r"^(\[?[EWI]\d{4} \d\d:\d\d:\d\d|frame #\d+: |Exception raised from )")
+TORCHRUN_LOG = re.compile(
+    r"^([EWI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ |frame #\d+: |Exception raised from )"
+)
 
 
 def own_output(output: str) -> str:
-    """A run's output without torchrun's own log lines (glog's `E1125 12:00:00` and C++ frames).
+    """A run's output without torchrun's own log lines (Python's `W1125 12:00:00.5 PID file]`, and
+    the C++ frames of an exception it logs); a rank's C++ warnings (`[W1125 12:00:00...`) stay.
     With two nodes, the agent that holds the rendezvous store may leave first, and the other then
     logs a failed exit barrier with a traceback, exit code 0 (pytorch/pytorch#69520)."""
     lines = output.splitlines()
@@ -204,6 +207,15 @@ def launch(stage: str, args: list, cwd: Path, timeout: float = 300, **start_args
         pytest.fail(f"{stage} {args} did not finish within {timeout} s")
     code = next((c for c in codes if c != 0), 0)
     return Run(code, "\n".join(outputs), time.monotonic() - begin)
+
+
+def launch_timed(stage: str, args: list, cwd: Path, **start_args) -> tuple[int, list]:
+    """Run a stage to its end, reading its output as it comes: (exit code, [(seconds from the
+    start, line)]). Shows when each line left the processes, not only what they printed."""
+    begin = time.monotonic()
+    (proc,) = start(stage, args, cwd, **start_args)
+    lines = [(time.monotonic() - begin, line.rstrip("\n")) for line in proc.stdout]
+    return proc.wait(), lines
 
 
 def processes_in(folder: Path) -> list[int]:
@@ -511,6 +523,15 @@ def runs(tmp_path_factory):
     runs.start(
         "one-process", cwd, stage="multigpu_torchrun", args=args, nproc=1, env=env, prefix=one_core
     )
+    # Two processes in a CPU set of two cores, a step moving the stage's clock on by 10 s (40 micro-
+    # batches an epoch, 10 steps, each 0.5 s longer): threads recorded, output read as it comes.
+    cwd = folder("two-cores")
+    env = stage_env(RECORD_THREADS=str(cwd), FAULT_STEP_CLOCK="10", FAULT_STEP_SLEEP="0.5")
+    args = [1, 1, "--batch_size", 8, "--grad_accum", 4, "--world_size", 2]
+    job = functools.partial(
+        launch_timed, "multigpu", args, cwd, env=env, prefix=("taskset", "-c", "0,1")
+    )
+    runs.submit("two-cores", lambda cwd=cwd, job=job: (cwd, job()))
     cwd = folder("one-core-multigpu")
     env = stage_env(RECORD_THREADS=str(cwd))
     args = [1, 1, "--world_size", 1]

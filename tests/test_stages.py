@@ -206,6 +206,37 @@ def test_a_long_epoch_says_how_far_it_is(name, tmp_path, monkeypatch, capsys, wo
     assert len(lines) == 3 and lines[2].startswith("Epoch 1 | loss "), lines
 
 
+def test_rank_0_says_how_far_it_is_as_it_goes(runs):
+    """Two processes (multigpu.py), steps of 10 s on the stage's clock: rank 0 alone prints the line
+    every 30 s (steps 12, 24 and 36 of 40), each as it happens, not when the epoch's line flushes
+    the output (the epoch's last 7 steps take 3.5 s after the first)."""
+    _, (code, lines) = runs["two-cores"]
+    output = "\n".join(line for _, line in lines)
+    progress = [(at, line) for at, line in lines if line.startswith("  epoch 1: step")]
+    expected = [f"  epoch 1: step {step} of 40" for step in (12, 24, 36)]
+    assert code == 0 and [line for _, line in progress] == expected, output
+    (epoch,) = [at for at, line in lines if line.startswith("Epoch 1 |")]
+    assert epoch - progress[0][0] > 2, lines
+
+
+def test_processes_share_the_cores_of_their_cpu_set(runs):
+    """python multigpu.py --world_size 2 in a CPU set of two cores (taskset -c 0,1): one thread
+    in each training process, not the set's two (the launcher, which trains nothing, and
+    multiprocessing's helper keep torch's default)."""
+    cwd, (code, lines) = runs["two-cores"]
+    threads = [int(path.read_text()) for path in cwd.glob("threads-*")]
+    assert code == 0 and threads.count(1) == 2, threads
+
+
+def test_own_output_keeps_a_ranks_cpp_warnings():
+    """The "no Warning" checks read own_output(): torchrun's agent lines go, a rank's C++
+    warning (DDP's reducer, say) stays, and fails them."""
+    agent = "W1126 12:00:00.517000 8903 torch/distributed/run.py:982] Setting OMP_NUM_THREADS"
+    rank = "[W1126 12:00:00.517286934 reducer.cpp:1457] Warning: find_unused_parameters=True"
+    output = own_output(f"{agent}\nEpoch 1 | loss 1.0\n{rank}\n")
+    assert agent not in output and rank in output and "Warning" in output
+
+
 def test_no_step_waits_for_the_device(tmp_path, monkeypatch):
     """On a GPU, reading a tensor on the host waits for the GPU to catch up. The stage reads its
     tensors twice an epoch, after it (loss and accuracy), and never inside a step. The

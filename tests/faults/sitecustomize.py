@@ -23,6 +23,8 @@ themselves carry no test hooks:
   RECORD_THREADS=DIR              at exit, write DIR/threads-PID: torch's intra-op threads
   FAULT_STEP_SLEEP=SECONDS        every optimizer step takes that much longer (a slow GPU), so
                                   that a signal sent during an epoch arrives before its end
+  FAULT_STEP_CLOCK=SECONDS        every optimizer step moves the process's time.monotonic() on by
+                                  that much (a long epoch, quickly)
   FAULT_STEP_RAISE=N              rank 0 raises after its N-th optimizer step (an error in a step)
   RECORD_DTYPES=DIR               at exit, write DIR/dtypes-PID: the dtypes of the convolutions'
                                   and linear layers' weights in training forwards (a set, sorted)
@@ -105,6 +107,19 @@ if os.environ.get("FAULT_STEP_SLEEP"):
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(lambda *_: time.sleep(float(os.environ["FAULT_STEP_SLEEP"])))
+
+if os.environ.get("FAULT_STEP_CLOCK"):
+    import time
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _monotonic, _ahead = time.monotonic, [0.0]
+    time.monotonic = lambda: _monotonic() + _ahead[0]
+
+    def _advance_clock(*_) -> None:
+        _ahead[0] += float(os.environ["FAULT_STEP_CLOCK"])
+
+    register_optimizer_step_post_hook(_advance_clock)
 
 if os.environ.get("FAULT_STEP_RAISE"):
     from torch.optim.optimizer import register_optimizer_step_post_hook
