@@ -157,14 +157,17 @@ def load_snapshot(
         dcp.set_model_state_dict(model, snapshot["model"], options=BROADCAST)  # rank 0 reads it
         for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW
             group.update(fused=optimizer.defaults["fused"], foreach=None)
-        names = keyed(snapshot["optimizer"], [name for name, _ in model.named_parameters()])
-        dcp.set_optimizer_state_dict(model, optimizer, names, options=BROADCAST)
+        named = keyed(snapshot["optimizer"], model)
+        dcp.set_optimizer_state_dict(model, optimizer, named, options=BROADCAST)
     except Exception as e:
         raise ValueError(f"cannot resume from {path}: {' '.join(str(e).split())[:200]}") from None
     return snapshot["epoch"], snapshot.get("samples", 0), snapshot.get("loss_sum", 0.0)
 
 
-def keyed(state: dict, keys: dict | list) -> dict:  # AdamW's: by number (the file) or by name
+def keyed(state: dict, model: nn.Module) -> dict:
+    """AdamW's state with its parameters' keys swapped: numbers (the file) <-> names (FSDP)."""
+    names = [name for name, _ in model.named_parameters()]
+    keys = dict(enumerate(names)) | {name: i for i, name in enumerate(names)}
     groups = [{**g, "params": [keys[p] for p in g["params"]]} for g in state["param_groups"]]
     return {"state": {keys[p]: s for p, s in state["state"].items()}, "param_groups": groups}
 
@@ -182,8 +185,7 @@ def blocks(module: nn.Module, limit: int) -> Iterator[nn.Module]:
 
 
 def shard_model(model: nn.Module, precision: str, device: torch.device) -> None:
-    """A unit per repeated block, then the rest: each rank keeps 1/N of a unit, gathered for its
-    forward and backward only. Rank 0 built the weights; the others the shapes (meta), filled."""
+    """A unit per repeated block, then the rest; a rank keeps 1/N, gathers a unit as it runs."""
     weights = model.state_dict()
     bf16 = torch.bfloat16 if precision == "bf16" else None
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
@@ -198,8 +200,8 @@ def shard_model(model: nn.Module, precision: str, device: torch.device) -> None:
     model.to_empty(device=device)
     dcp.set_model_state_dict(model, weights, options=BROADCAST)
     if dist.get_rank() == 0:
-        largest = max(*sizes, total - sum(sizes))
-        print(f"FSDP: {len(units) + bool(norms)} units, the largest {largest:,} of {total:,} bytes")
+        units = f"{len(units) + bool(norms)} units, the largest {max(*sizes, total - sum(sizes)):,}"
+        print(f"FSDP: {units} of {total:,} bytes")
 
 
 def save_snapshot(path: str, snapshot: dict) -> bool:
@@ -251,11 +253,9 @@ class Trainer:
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
         saved = True
-        model = dcp.get_model_state_dict(self.model, options=WHOLE)
-        optimizer = dcp.get_optimizer_state_dict(self.model, self.optimizer, options=WHOLE)
+        model, optimizer = dcp.get_state_dict(self.model, self.optimizer, options=WHOLE)
         if self.global_rank == 0:
-            numbers = {name: i for i, (name, _) in enumerate(self.model.named_parameters())}
-            snapshot = dict(model=model, optimizer=keyed(optimizer, numbers))
+            snapshot = dict(model=model, optimizer=keyed(optimizer, self.model))
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
             saved = save_snapshot(self.args.snapshot_path, snapshot)
         done = torch.tensor(int(saved))
