@@ -36,14 +36,14 @@ def note_stop_signal(signum: int, frame: object) -> None:
 
 
 def start_loader_worker(worker_id: int) -> None:
-    """Stops are for the training process; the worker dies with it."""
+    """Stops are for the training process; a worker dies with it."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too
 
 
 def setup(local_rank: int, global_rank: int) -> torch.device:
-    """The one place that picks the hardware: a GPU, else the CPU."""
+    """The one place that picks the hardware: a GPU, or the CPU."""
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, cores // local_world_size))  # its share of the cores it may use
@@ -92,7 +92,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 
 class EpochSampler(DistributedSampler):
-    """Shuffled by seed and epoch; from the `start`-th sample on (resumed)."""
+    """Shuffled by seed and epoch; from the `start`-th sample on."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         super().__init__(dataset, seed=seed)
@@ -119,7 +119,7 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    try:  # ViT takes 224 only
+    try:  # ViT: 224 only
         with torch.no_grad():
             model.eval()(torch.zeros(1, 3, size, size))
     except (RuntimeError, AssertionError) as e:
@@ -201,7 +201,7 @@ class Trainer:
         self.stop = torch.tensor(0)
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
         self.train_model = model
-        if args.compile:  # CUDA graphs launch steps at once; replays overwrite summed gradients
+        if args.compile:  # CUDA graphs: steps at once; replays overwrite summed gradients
             mode = "reduce-overhead" if args.grad_accum == 1 else None
             self.train_model = torch.compile(self.train_model, mode=mode)
         if dist.get_world_size() > 1:  # DDP all-reduces gradients; compiled first, as nanoGPT
@@ -267,8 +267,9 @@ class Trainer:
     def train(self) -> int:
         """0 at the end; 128 + the signal at a stop, saved; 1 if a save failed."""
         epochs_run, skipped, loss_saved = self.resume
-        if epochs_run >= self.args.total_epochs and self.global_rank == 0:
-            print(f"{self.args.snapshot_path}: epoch {epochs_run} done already, nothing to train")
+        if self.global_rank == 0 and (epochs_run or skipped):
+            left = max(0, self.args.total_epochs - epochs_run)
+            print(f"{self.args.snapshot_path}: resumed after epoch {epochs_run}, {left} to go")
         for epoch in range(epochs_run, self.args.total_epochs):
             began = time.perf_counter()
             val_batches = iter(self.val_data)  # loaded while the epoch trains
@@ -311,7 +312,7 @@ def evaluate(model: nn.Module, val_batches: Iterator, device: torch.device) -> t
 def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
-    """Loader processes prepare batches while a GPU computes; a CPU does both."""
+    """Loader processes prepare batches while a GPU computes."""
     workers = args.workers
     if workers is None:
         workers = min(8, torch.get_num_threads()) if gpu else 0

@@ -72,13 +72,13 @@ def test_the_readme_is_short():
 def test_the_readmes_commands_run_in_order_in_one_folder(runs):
     """First run, then each stage as the README launches it (fewer epochs), where the command
     before it ran: every one ends well (its own snapshot path), and the first trains 3 epochs;
-    the second, `2 1` on the first's snapshot, says that it has nothing to train."""
+    the second, `2 1` on the first's snapshot, says that it resumed and has nothing to train."""
     done = runs["readme"]
     assert done[0][0] == "python single_gpu.py 3 3" and len(done) >= 4, [c for c, _ in done]
     for command, run in done:
         assert run.returncode == 0 and "Traceback" not in run.output, (command, run.output)
     assert done[1][0] == "python single_gpu.py 2 1", done[1][0]
-    assert done[1][1].output == "single_gpu.pt: epoch 3 done already, nothing to train\n"
+    assert done[1][1].output == "single_gpu.pt: resumed after epoch 3, 0 to go\n"
     ran = dict(done)
     multigpu = ran["python multigpu.py 2 1"]  # --world_size by default: 2 processes on the CPU
     assert [(e[0], e[4]) for e in multigpu.epochs()] == [(1, 64), (2, 64)], multigpu.output
