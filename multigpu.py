@@ -48,6 +48,7 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, cores // local_world_size))  # its share of the cores it may use
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphans
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL cannot share a GPU between processes
         error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
@@ -58,7 +59,6 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
         torch.set_float32_matmul_precision("high")  # TF32 for float32
     backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, gloo for CPUs
     dist.init_process_group(backend, rank=global_rank, device_id=device if gpus else None)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphans
     return device
 
 
