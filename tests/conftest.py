@@ -46,7 +46,6 @@ TEST_HOOKS = (
     "MASTER_",
     "TAKE_PORT",
     "RECORD_THREADS",
-    "RECORD_DTYPES",
 )
 
 
@@ -320,7 +319,7 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 DEAD_RANKS = {  # stage, fault, and how the output names the rank that failed
     "multigpu-kill": ("multigpu", "kill:1:0", "error: process 1 terminated with signal SIGKILL"),
-    "torchrun-raise": ("multigpu_torchrun", "raise:1:0", "rank      : 1 (local_rank: 1)"),
+    "torchrun-raise": ("multigpu_torchrun", "raise:1:1", "rank      : 1 (local_rank: 1)"),
 }  # a SIGKILLed worker under torchrun: test_elastic_restart_resumes_exactly
 
 
@@ -532,10 +531,6 @@ def runs(tmp_path_factory):
         launch_timed, "multigpu", args, cwd, env=env, prefix=("taskset", "-c", "0,1")
     )
     runs.submit("two-cores", lambda cwd=cwd, job=job: (cwd, job()))
-    cwd = folder("one-core-multigpu")
-    env = stage_env(RECORD_THREADS=str(cwd))
-    args = [1, 1, "--world_size", 1]
-    runs.start("one-core-multigpu", cwd, stage="multigpu", args=args, env=env, prefix=one_core)
     # A snapshot of epoch 2 resumed in another stage: fsdp.py's in single_gpu.py, and the reverse.
     for name, written, resumed in [
         ("cross", "fsdp", "single_gpu"),
@@ -550,17 +545,11 @@ def runs(tmp_path_factory):
     # fsdp.py: the global batch (64) from micro-batches (2 processes x 8 x 4), and in bf16.
     args = [EPOCHS, EPOCHS, "--batch_size", 8, "--grad_accum", 4]
     runs.start("accumulate-fsdp", folder("accumulate-fsdp"), stage="fsdp", args=args)
-    # In bf16 with a BatchNorm model, each layer's dtype in its forward recorded.
-    cwd = folder("bf16-fsdp")
-    args = [1, 1, "--precision", "bf16", "--arch", "resnet18"]
-    env = stage_env(RECORD_DTYPES=str(cwd))
-    runs.start("bf16-fsdp", cwd, stage="fsdp", args=args, env=env)
-    # An error in a step (rank 0, its second), with 2 loader workers a process: they must have
-    # ended before the exit functions start (test_faults.py).
-    for stage in ("single_gpu", "multigpu", "fsdp"):
-        cwd = folder(f"error-{stage}")
-        env = stage_env(FAULT_STEP_RAISE="2", EXIT_WORKERS=str(cwd))
-        runs.start(f"error-{stage}", cwd, stage=stage, args=[2, 1, "--workers", 2], env=env)
+    # An error in a step, with 2 loader workers a process: they must have ended before the exit
+    # functions start (test_faults.py; the distributed stages: torchrun-raise, below).
+    cwd = folder("error-single_gpu")
+    env = stage_env(FAULT_STEP_RAISE="2", EXIT_WORKERS=str(cwd))
+    runs.start("error-single_gpu", cwd, stage="single_gpu", args=[2, 1, "--workers", 2], env=env)
     # The second save writes half a file, then the process is SIGKILLed; then the same folder,
     # copied, starts again. --deterministic: it changes nothing on the CPU, and resumes exactly.
     save, save_resume = folder("save"), folder("save-resume")
@@ -572,8 +561,8 @@ def runs(tmp_path_factory):
     )
     for name, (stage, fault, _) in DEAD_RANKS.items():  # FAULT_ONCE's file: when the rank died
         cwd = folder(name)
-        env = stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died"))
-        runs.start(name, cwd, stage=stage, args=[2, 1], env=env)
+        env = stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died"), EXIT_WORKERS=str(cwd))
+        runs.start(name, cwd, stage=stage, args=[2, 1, "--workers", 2], env=env)
     for stage in ("multigpu", "multigpu_torchrun"):  # the launcher SIGKILLed (test_faults.py)
         cwd = folder(f"orphans-{stage}")
         runs.submit(f"orphans-{stage}", functools.partial(kill_launcher_after, stage, 2, cwd))

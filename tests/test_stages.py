@@ -388,12 +388,11 @@ def test_nodes_meet_at_an_ipv6_endpoint(runs):
     assert [e[4] for e in run.epochs()] == [64], run.output
 
 
-@pytest.mark.parametrize("name", ["one-process", "one-core-multigpu"])
-def test_a_process_takes_the_cores_of_its_cpu_set(runs, name):
+def test_a_process_takes_the_cores_of_its_cpu_set(runs):
     """Started in a CPU set of one core (taskset -c 0, as Slurm's --cpus-per-task confines a job
-    on a larger machine), torchrun's process and multigpu.py --world_size 1 take one thread,
-    not the machine's count; so do their launchers."""
-    cwd, run = runs[name]
+    on a larger machine), torchrun's process takes one thread, not the machine's count; so does
+    its launcher (two processes in two cores: test_processes_share_the_cores_of_their_cpu_set)."""
+    cwd, run = runs["one-process"]
     assert run.returncode == 0, run.output
     threads = [int(path.read_text()) for path in cwd.glob("threads-*")]
     assert len(threads) >= 2 and set(threads) == {1}, threads
@@ -438,10 +437,10 @@ def test_fsdp_makes_a_unit_of_each_repeated_block(arch):
     assert expected.get(arch, next(iter(kinds))) in kinds, kinds
 
 
-def test_fsdp_shards_each_block_as_a_unit(tmp_path, world_of_one):
+def test_fsdp_trains_a_batchnorm_model_in_bf16(world_of_one):
     """shard_model() makes each repeated block an FSDP unit (layer4's, each over a quarter of the
-    model, are cut into their convolutions), and BatchNorm one unit of its own that keeps float32
-    weights in bf16 (its running statistics are float32)."""
+    model, are cut into their convolutions) and BatchNorm one float32 unit: ResNet-18 takes an
+    AdamW step in bf16, its convolutions and linear layer on bfloat16 weights."""
     from torch.distributed.fsdp import FSDPModule
     from torchvision import models
 
@@ -451,21 +450,16 @@ def test_fsdp_shards_each_block_as_a_unit(tmp_path, world_of_one):
     assert all(isinstance(block, FSDPModule) for block in blocks[:6])  # layer4's: over a quarter
     assert all(isinstance(block.conv2, FSDPModule) for block in blocks[6:])
     assert isinstance(model.bn1, FSDPModule) and isinstance(model, FSDPModule)
-    assert model.bn1._get_fsdp_state()._mp_policy.param_dtype is None
-    assert blocks[0]._get_fsdp_state()._mp_policy.param_dtype == torch.bfloat16
-
-
-def test_fsdp_trains_in_bf16(runs):
-    """--precision bf16 through FSDP2's mixed-precision policy, with ResNet-18's BatchNorm: the
-    convolutions and the linear layer train on bfloat16 weights in every training process."""
-    cwd, run = runs["bf16-fsdp"]
-    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
-    output = own_output(run.output)
-    assert "Warning" not in output and "Traceback" not in output, run.output
-    dtypes = [path.read_text().split() for path in cwd.glob("dtypes-*")]
-    trained = [d for d in dtypes if d]  # torchrun's agents run no layer
-    bf16 = ["Conv2d:torch.bfloat16", "Linear:torch.bfloat16"]
-    assert len(trained) == 2 and all(d == bf16 for d in trained), dtypes
+    dtypes = set()
+    for layer in model.modules():
+        if isinstance(layer, (torch.nn.Conv2d, torch.nn.Linear)):  # after FSDP gathers it
+            layer.register_forward_hook(lambda m, *_: dtypes.add(m.weight.dtype), prepend=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    loss = model(torch.randn(4, 3, 32, 32)).float().logsumexp(1).mean()
+    loss.backward()
+    optimizer.step()
+    assert dtypes == {torch.bfloat16} and loss.isfinite(), dtypes
+    assert model.bn1.running_mean.dtype == torch.float32
 
 
 def test_fsdp_evaluates_every_held_out_image_once(monkeypatch, world_of_one):

@@ -26,8 +26,6 @@ themselves carry no test hooks:
   FAULT_STEP_CLOCK=SECONDS        every optimizer step moves the process's time.monotonic() on by
                                   that much (a long epoch, quickly)
   FAULT_STEP_RAISE=N              rank 0 raises after its N-th optimizer step (an error in a step)
-  RECORD_DTYPES=DIR               at exit, write DIR/dtypes-PID: the dtypes of the convolutions'
-                                  and linear layers' weights in training forwards (a set, sorted)
 """
 
 import os
@@ -135,29 +133,6 @@ if os.environ.get("FAULT_STEP_RAISE"):
             raise RuntimeError("injected failure in a step")
 
     register_optimizer_step_post_hook(_raise_after_step)
-
-if os.environ.get("RECORD_DTYPES"):
-    import atexit
-
-    import torch
-    from torch.nn.modules.module import register_module_forward_hook
-
-    _dtypes = set()
-
-    def _note_dtype(module, args, output) -> None:
-        """After a training forward (not the build's check, nor evaluation), before FSDP's own
-        hooks put the sharded weight back (the global hooks run first)."""
-        for kind in (torch.nn.Conv2d, torch.nn.Linear):
-            if isinstance(module, kind) and module.training:
-                _dtypes.add(f"{kind.__name__}:{module.weight.dtype}")
-
-    def _write_dtypes() -> None:
-        path = os.path.join(os.environ["RECORD_DTYPES"], f"dtypes-{os.getpid()}")
-        with open(path, "w") as f:
-            f.write(" ".join(sorted(_dtypes)))
-
-    register_module_forward_hook(_note_dtype)
-    atexit.register(_write_dtypes)
 
 HOOKS = ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR", "FAULT_SAVE")
 if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIGNAL"):
