@@ -562,7 +562,8 @@ def runs(tmp_path_factory):
     for name, (stage, fault, _) in DEAD_RANKS.items():  # FAULT_ONCE's file: when the rank died
         cwd = folder(name)
         env = stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died"), EXIT_WORKERS=str(cwd))
-        runs.start(name, cwd, stage=stage, args=[2, 1, "--workers", 2], env=env)
+        workers = ["--workers", 2] if stage == "multigpu_torchrun" else []  # test_faults.py
+        runs.start(name, cwd, stage=stage, args=[2, 1, *workers], env=env)
     for stage in ("multigpu", "multigpu_torchrun"):  # the launcher SIGKILLed (test_faults.py)
         cwd = folder(f"orphans-{stage}")
         runs.submit(f"orphans-{stage}", functools.partial(kill_launcher_after, stage, 2, cwd))
