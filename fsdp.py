@@ -169,6 +169,8 @@ def keyed(state: dict, model: nn.Module) -> dict:
     names = [name for name, _ in model.named_parameters()]
     keys = dict(enumerate(names)) | {name: i for i, name in enumerate(names)}
     groups = [{**g, "params": [keys[p] for p in g["params"]]} for g in state["param_groups"]]
+    for group in groups:  # torch's state-dict functions load AdamW's betas as a list
+        group["betas"] = tuple(group["betas"])
     return {"state": {keys[p]: s for p, s in state["state"].items()}, "param_groups": groups}
 
 
