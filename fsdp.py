@@ -186,7 +186,7 @@ def blocks(module: nn.Module, limit: int) -> Iterator[nn.Module]:
             yield child
 
 
-def shard_model(model: nn.Module, precision: str, device: torch.device) -> None:
+def shard_model(model: nn.Module, precision: str, device: torch.device, compiled: bool) -> None:
     """A unit per repeated block, then the rest; a rank keeps 1/N, gathers a unit as it runs."""
     weights = model.state_dict()
     bf16 = torch.bfloat16 if precision == "bf16" else None
@@ -198,6 +198,8 @@ def shard_model(model: nn.Module, precision: str, device: torch.device) -> None:
     units = [*blocks(model, total // 4), model]  # at most a quarter of the model, where it can
     sizes = [sum(p.nbytes for p in unit.parameters()) for unit in units[:-1]]
     for unit in units:
+        if compiled and unit is not model:  # each block before it is sharded: measured fastest
+            unit.compile()
         fully_shard(unit, mp_policy=policy)
     model.to_empty(device=device)
     dcp.set_model_state_dict(model, weights, options=BROADCAST)
@@ -249,9 +251,6 @@ class Trainer:
         self.stop = torch.tensor(0)
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
         self.train_model = model
-        if args.compile:  # CUDA graphs: steps at once; replays overwrite summed gradients
-            mode = None  # FSDP communicates inside the step: no CUDA graphs
-            self.train_model = torch.compile(self.train_model, mode=mode)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
         saved = True
@@ -398,7 +397,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     torch.backends.cudnn.benchmark = not args.deterministic
     if device.type == "cuda":  # BatchNorm statistics over all ranks
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    shard_model(model, args.precision, device)  # before the optimizer sees its parameters
+    shard_model(model, args.precision, device, args.compile)  # before the optimizer sees them
     # What decides the result: another run's snapshot is refused.
     run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
     run.update(data=[classes, len(train_set), len(val_set), args.image_size])

@@ -172,7 +172,7 @@ def small_trainer(stage, tmp_path, samples: int = 8) -> object:
     train_data, val_data = stage.prepare_dataloaders(data, data, args, gpu=False)
     model = stage.build_model("convnet", 10, 32)
     if hasattr(stage, "shard_model"):  # fsdp.py
-        stage.shard_model(model, "fp32", torch.device("cpu"))
+        stage.shard_model(model, "fp32", torch.device("cpu"), False)
     run = {"batch": 2, "data": [10, samples, samples, 32]}
     return stage.Trainer(model, train_data, val_data, torch.device("cpu"), args, run)
 
@@ -446,7 +446,7 @@ def test_fsdp_trains_a_batchnorm_model_in_bf16(world_of_one):
 
     model = models.get_model("resnet18", num_classes=10)
     blocks = [m for m in model.modules() if isinstance(m, models.resnet.BasicBlock)]
-    fsdp().shard_model(model, "bf16", torch.device("cpu"))
+    fsdp().shard_model(model, "bf16", torch.device("cpu"), False)
     assert all(isinstance(block, FSDPModule) for block in blocks[:6])  # layer4's: over a quarter
     assert all(isinstance(block.conv2, FSDPModule) for block in blocks[6:])
     assert isinstance(model.bn1, FSDPModule) and isinstance(model, FSDPModule)
