@@ -297,7 +297,7 @@ class Trainer:
                 group["lr"] = get_lr(lr_step, self.args.total_epochs * updates, self.args.lr)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            # The ranks agree a step later, while the next step computes: all stop after it.
+            # Stop together (one rank alone would hang the others), agreed as the next step runs.
             self.vote.wait()
             stopped = int(self.stop)
             self.stop = torch.tensor(stop_signals[0] if stop_signals else 0)
