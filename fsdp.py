@@ -165,12 +165,11 @@ def load_snapshot(
 
 
 def keyed(state: dict, model: nn.Module) -> dict:
-    """AdamW's state with its parameters' keys swapped: numbers (the file) <-> names (FSDP)."""
-    names = [name for name, _ in model.named_parameters()]
-    keys = dict(enumerate(names)) | {name: i for i, name in enumerate(names)}
-    groups = [{**g, "params": [keys[p] for p in g["params"]]} for g in state["param_groups"]]
-    for group in groups:  # torch's state-dict functions load AdamW's betas as a list
-        group["betas"] = tuple(group["betas"])
+    """AdamW's state, its keys swapped: numbers (the file) <-> names (FSDP); betas a tuple again."""
+    keys = dict(enumerate(name for name, _ in model.named_parameters()))
+    keys |= {name: i for i, name in keys.items()}
+    groups = [g | {"params": [keys[p] for p in g["params"]]} for g in state["param_groups"]]
+    groups = [g | {"betas": tuple(g["betas"])} for g in groups]
     return {"state": {keys[p]: s for p, s in state["state"].items()}, "param_groups": groups}
 
 
@@ -179,11 +178,11 @@ def blocks(module: nn.Module, limit: int) -> Iterator[nn.Module]:
     kinds = [type(child) for child in module.children()]
     for child in module.children():
         size = sum(p.nbytes for p in child.parameters())
-        cut = size > limit or kinds.count(type(child)) < 2 or isinstance(child, nn.Sequential)
-        if cut and list(child.children()):
-            yield from blocks(child, limit)
-        elif size and kinds.count(type(child)) > 1 and not isinstance(child, FSDPModule):
+        block = kinds.count(type(child)) > 1 and not isinstance(child, nn.Sequential | FSDPModule)
+        if block and size and (size <= limit or not list(child.children())):  # a leaf stays whole
             yield child
+        else:
+            yield from blocks(child, limit)
 
 
 def shard_model(model: nn.Module, precision: str, device: torch.device, compiled: bool) -> None:
@@ -204,8 +203,8 @@ def shard_model(model: nn.Module, precision: str, device: torch.device, compiled
     model.to_empty(device=device)
     dcp.set_model_state_dict(model, weights, options=BROADCAST)
     if dist.get_rank() == 0:
-        units = f"{len(units) + bool(norms)} units, the largest {max(*sizes, total - sum(sizes)):,}"
-        print(f"FSDP: {units} of {total:,} bytes")
+        largest = max([*sizes, total - sum(sizes)])
+        print(f"FSDP: {len(units) + bool(norms)} units, the largest {largest:,} of {total:,} bytes")
 
 
 def save_snapshot(path: str, snapshot: dict) -> bool:
