@@ -46,6 +46,7 @@ TEST_HOOKS = (
     "MASTER_",
     "TAKE_PORT",
     "RECORD_THREADS",
+    "RECORD_MEMORY",
 )
 
 
@@ -125,7 +126,7 @@ def stage_command(
         torchrun = [
             TORCHRUN,
             "--nnodes=2",
-            "--nproc_per_node=1",
+            f"--nproc_per_node={nproc // 2}",
             f"--node_rank={node}",
             *rendezvous,
         ]
@@ -160,7 +161,8 @@ def start(
     prefix: tuple = (),
 ) -> list[subprocess.Popen]:
     """Start a stage as a user does; multinode and fsdp: two torchrun agents ("nodes") here,
-    meeting at `host` ("[::1]": IPv6). nproc=0: python SCRIPT, even for the torchrun stages;
+    nproc/2 processes each, meeting at `host` ("[::1]": IPv6). nproc=0: python SCRIPT, even for
+    the torchrun stages;
     launcher: that command in place of torchrun; prefix: a command before it (taskset -c 0)."""
     env = env or stage_env()
     if "--snapshot_path" not in args:  # one name in every stage's folder: the tests compare them

@@ -21,6 +21,9 @@ themselves carry no test hooks:
   TAKE_PORT=DIR                   as rank 0 starts its process group, another program takes
                                   MASTER_PORT if it can: it writes DIR/port-taken or DIR/port-held
   RECORD_THREADS=DIR              at exit, write DIR/threads-PID: torch's intra-op threads
+  RECORD_MEMORY=DIR               at exit, write DIR/memory-RANK: the process's resident memory
+                                  in KiB as main() starts (its first torch.manual_seed, models
+                                  imported) and as its process group starts, then its peak
   FAULT_STEP_SLEEP=SECONDS        every optimizer step takes that much longer (a slow GPU), so
                                   that a signal sent during an epoch arrives before its end
   FAULT_STEP_CLOCK=SECONDS        every optimizer step moves the process's time.monotonic() on by
@@ -98,6 +101,42 @@ if os.environ.get("RECORD_THREADS"):
             f.write(str(torch.get_num_threads()))
 
     atexit.register(_record_threads)
+
+if os.environ.get("RECORD_MEMORY"):
+    import atexit
+    import resource
+
+    import torch
+    import torch.distributed
+    import torchvision.models  # noqa: F401 (imported before the first figure)
+
+    _manual_seed = torch.manual_seed
+    _init_group = torch.distributed.init_process_group
+    _figures = []
+
+    def _resident() -> int:
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+
+    def manual_seed(seed):
+        if not _figures:
+            _figures.append(_resident())
+        return _manual_seed(seed)
+
+    def init_group(*args, **kwargs):
+        _figures.append(_resident())
+        return _init_group(*args, **kwargs)
+
+    def _record_memory() -> None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with open(
+            os.path.join(os.environ["RECORD_MEMORY"], f"memory-{os.environ['RANK']}"), "w"
+        ) as f:
+            f.write(" ".join(map(str, [*_figures, peak])))
+
+    torch.manual_seed = manual_seed
+    torch.distributed.init_process_group = init_group
+    atexit.register(_record_memory)
 
 if os.environ.get("FAULT_STEP_SLEEP"):
     import time
