@@ -1,8 +1,9 @@
 """Each stage's training throughput on one GPU, beside its peers' on the same work, against the two
 bounds none can beat.
 
-    python benchmarks/gpu_throughput.py                   # ResNet-18, 10,000 PNGs, fp32 and bf16
-    python benchmarks/gpu_throughput.py --compile         # the same with --compile everywhere
+    python benchmarks/gpu_throughput.py            # ResNet-18, batch 256, bf16: about 5 minutes
+    python benchmarks/gpu_throughput.py --full     # batch 32 and 256, fp32 and bf16, every runner
+    python benchmarks/gpu_throughput.py --compile  # the stages alone, every run compiled
     python benchmarks/gpu_throughput.py --device cpu --images 256 --batches 16 --seconds 1
 
 For every batch size and precision it measures, in this order:
@@ -13,10 +14,11 @@ For every batch size and precision it measures, in this order:
              (benchmarks/peers.py; the last three when they are installed)
   stages     each script as a user launches it on one GPU (world size 1)
 Runners: samples/s of training over wall time, evaluation of the held-out images included, the
-median of epochs 2 and later (the first one pays for start-up). An epoch lasts --seconds (5) or
+median of epochs 2 and later (the first one pays for start-up). An epoch lasts --seconds (3) or
 more: the folder repeats its images (links) until the fastest bound needs that long for them. The
-runners take turns, in one order and then the reverse, --rounds times (3); each cell is the median
+runners take turns, in one order and then the reverse, --rounds times (2); each cell is the median
 of its rounds, its spread (max - min, in % of the median) and its share of min(loader, bare step).
+The default fits one 10-minute session on one GPU; --full is the whole table (about an hour).
 Goal: every stage at least the plain loop and Lightning, and 0.85 of the bound at batch 256.
 """
 
@@ -40,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STAGES = ["single_gpu", "multigpu", "multigpu_torchrun", "multinode", "fsdp"]
 PEERS = ["plain", "lightning", "fabric", "accelerate"]
+FEW = ["plain", "lightning", "single_gpu", "multinode", "fsdp"]  # the default: one device session
 RATE = re.compile(r"^Epoch (\d+) \| .*?(\d+) samples/s$", re.M)
 
 
@@ -185,17 +188,22 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=10_000, help="training PNGs (10,000)")
     parser.add_argument("--val", type=int, default=500, help="held-out PNGs (500)")
     parser.add_argument("--data_dir", help="use this folder instead of generating one")
-    parser.add_argument("--batches", default="32,256", help="batch sizes (32,256)")
-    parser.add_argument("--precisions", default="fp32,bf16", help="(fp32,bf16)")
+    parser.add_argument("--batches", default="256", help="batch sizes (256)")
+    parser.add_argument("--precisions", default="bf16", help="(bf16)")
     parser.add_argument("--compile", action="store_true", help="--compile in every run")
-    parser.add_argument("--epochs", type=int, default=4, help="per run; the 1st is left out (4)")
-    parser.add_argument("--seconds", type=float, default=5, help="an epoch at least (5)")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each runner (3)")
+    parser.add_argument("--epochs", type=int, default=3, help="per run; the 1st is left out (3)")
+    parser.add_argument("--seconds", type=float, default=3, help="an epoch at least (3)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each runner (2)")
     parser.add_argument("--steps", type=int, default=50, help="bare steps per timing (50)")
     parser.add_argument("--warmup", type=int, default=10, help="bare steps before timing (10)")
     parser.add_argument("--workers", type=int, help="loader processes (GPU: 8, CPU: 0)")
-    parser.add_argument("--runners", default=",".join(PEERS + STAGES), help="comma-separated")
+    parser.add_argument("--runners", default=",".join(FEW), help="comma-separated")
+    parser.add_argument("--full", action="store_true", help="the whole table, as measured before")
     opts = parser.parse_args()
+    if opts.full:  # the whole table: flags given after --full still apply
+        whole = ["--batches", "32,256", "--precisions", "fp32,bf16", "--epochs", "4"]
+        whole += ["--seconds", "5", "--rounds", "3", "--runners", ",".join(PEERS + STAGES)]
+        opts = parser.parse_args(whole + sys.argv[1:])
     if opts.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: no GPU is visible (--device cpu runs it small, to try it)")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
