@@ -188,15 +188,19 @@ def diff_hunks(text: str) -> list[str]:
 
 def test_the_walkthrough_quotes_every_hunk_of_the_diffs():
     """WALKTHROUGH.md: under each diff's heading, its hunks as `diff` prints them, each once, and
-    nothing else in a diff block; the DDP core comes first. A hunk that changed, or a new one,
-    fails this test until the walkthrough explains it."""
+    nothing else in a diff block but context: lines indented by two spaces, each a line of the
+    newer file; the DDP core comes first. A hunk that changed, or a new one, fails this test until
+    the walkthrough explains it."""
     walkthrough = (REPO / "WALKTHROUGH.md").read_text()
     sections = re.split(r"(?m)^## `diff (\w+)\.py (\w+)\.py`$", walkthrough)[1:]
     assert [tuple(sections[i : i + 2]) for i in range(0, len(sections), 3)] == list(
         itertools.pairwise(STAGES)
     )
     for a, b, text in zip(sections[0::3], sections[1::3], sections[2::3], strict=True):
-        quoted = diff_hunks("".join(re.findall(r"```diff\n(.*?)```", text, re.S)))
+        lines = "".join(re.findall(r"```diff\n(.*?)```", text, re.S)).splitlines(keepends=True)
+        context = {line[2:] for line in lines if line.startswith("  ")}
+        assert context <= set((REPO / f"{b}.py").read_text().splitlines(keepends=True)), (a, b)
+        quoted = diff_hunks("".join(line for line in lines if not line.startswith("  ")))
         diff = subprocess.run(["diff", REPO / f"{a}.py", REPO / f"{b}.py"], capture_output=True)
         assert quoted == diff_hunks(diff.stdout.decode()), (a, b)
     assert walkthrough.index("Part 1: what makes DDP work") < walkthrough.index("Part 2")
