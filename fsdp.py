@@ -173,16 +173,18 @@ def keyed(state: dict, model: nn.Module) -> dict:
     return {"state": {keys[p]: s for p, s in state["state"].items()}, "param_groups": groups}
 
 
-def blocks(module: nn.Module, limit: int) -> Iterator[nn.Module]:
-    """Repeated blocks (ResNet's, a transformer's layers), outermost first, cut while over limit."""
+def blocks(module: nn.Module, limit: int, parts: bool = False) -> Iterator[nn.Module]:
+    """Repeated blocks (ResNet's, a transformer's layers), outermost first; one over the limit
+    gives its parts, which it calls (a part's own parts may be used without a call)."""
     kinds = [type(child) for child in module.children()]
+    twice = {kind for kind in kinds if kinds.count(kind) > 1}
     for child in module.children():
         size = sum(p.nbytes for p in child.parameters())
-        block = kinds.count(type(child)) > 1 and not isinstance(child, nn.Sequential | FSDPModule)
-        if block and size and (size <= limit or not list(child.children())):  # a leaf stays whole
+        unit = (parts or type(child) in twice) and not isinstance(child, nn.Sequential | FSDPModule)
+        if unit and size and (size <= limit or not list(child.children())):  # a leaf stays whole
             yield child
         else:
-            yield from blocks(child, limit)
+            yield from blocks(child, limit, parts or unit and size > limit)
 
 
 def shard_model(model: nn.Module, precision: str, device: torch.device, compiled: bool) -> None:

@@ -19,9 +19,9 @@ from conftest import EPOCH_LINE, REPO, STAGES, single_gpu
 
 README = (REPO / "README.md").read_text()
 # Changed lines to the next stage, and bytes: no stage grows past these figures.
-LIMITS = {"single_gpu": 109, "multigpu": 34, "multigpu_torchrun": 12, "multinode": 82}
+LIMITS = {"single_gpu": 109, "multigpu": 34, "multigpu_torchrun": 12, "multinode": 84}
 BYTES = {"single_gpu": 17_024, "multigpu": 21_515, "multigpu_torchrun": 20_717, "multinode": 21_436}
-BYTES["fsdp"] = 24_449
+BYTES["fsdp"] = 24_647
 
 
 def changed_lines(a: str, b: str) -> int:

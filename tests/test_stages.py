@@ -462,6 +462,22 @@ def test_fsdp_trains_a_batchnorm_model_in_bf16(world_of_one):
     assert model.bn1.running_mean.dtype == torch.float32
 
 
+def test_fsdp_cuts_a_block_into_parts_it_calls(world_of_one):
+    """Swin-T's last blocks, each over a quarter of the model, are cut into their parts: its
+    attention a unit whole, since it multiplies by its layers' weights without calling them (as
+    units of their own, they would still be sharded). Sharded, it trains a step."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchvision import models
+
+    model = models.get_model("swin_t", num_classes=10)
+    last = model.features[-1][-1]
+    assert sum(p.nbytes for p in last.parameters()) > sum(p.nbytes for p in model.parameters()) / 4
+    fsdp().shard_model(model, "fp32", torch.device("cpu"), False)
+    assert not isinstance(last, FSDPModule) and isinstance(last.attn, FSDPModule)
+    assert not isinstance(last.attn.qkv, FSDPModule)
+    model(torch.randn(1, 3, 224, 224)).sum().backward()
+
+
 def test_fsdp_evaluates_every_held_out_image_once(monkeypatch, world_of_one):
     """2 held-out images at 4 ranks: each rank runs one forward; rank 3's is a copy that never
     counts (target -1); the job's count is the held-out set's, taken once."""
