@@ -21,7 +21,7 @@ themselves carry no test hooks:
   TAKE_PORT=DIR                   as rank 0 starts its process group, another program takes
                                   MASTER_PORT if it can: it writes DIR/port-taken or DIR/port-held
   RECORD_THREADS=DIR              at exit, write DIR/threads-PID: torch's intra-op threads
-  RECORD_MEMORY=DIR               at exit, write DIR/memory-RANK: the process's resident memory
+  RECORD_MEMORY=DIR               at exit, write DIR/memory-RANK: a rank's resident memory
                                   in KiB as main() starts (its first torch.manual_seed, models
                                   imported) and as its process group starts, then its peak
   FAULT_STEP_SLEEP=SECONDS        every optimizer step takes that much longer (a slow GPU), so
@@ -102,7 +102,7 @@ if os.environ.get("RECORD_THREADS"):
 
     atexit.register(_record_threads)
 
-if os.environ.get("RECORD_MEMORY"):
+if os.environ.get("RECORD_MEMORY") and "RANK" in os.environ:  # the ranks, not torchrun itself
     import atexit
     import resource
 
