@@ -204,4 +204,7 @@ def test_the_walkthrough_quotes_every_hunk_of_the_diffs():
         diff = subprocess.run(["diff", REPO / f"{a}.py", REPO / f"{b}.py"], capture_output=True)
         assert quoted == diff_hunks(diff.stdout.decode()), (a, b)
     assert walkthrough.index("Part 1: what makes DDP work") < walkthrough.index("Part 2")
+    # A hunk that cannot be read alone carries its neighbours: the resume's first step.
+    step = re.search(r"\n  .*\n<.*\n---\n>         first = math.ceil.*\n  .*\n", walkthrough)
+    assert step and "sampler.start" in step[0], "the resume's step without its neighbours"
     assert "[WALKTHROUGH.md](WALKTHROUGH.md)" in README
