@@ -52,8 +52,8 @@ def peaks(stage: str, cwd: Path) -> dict:
     """ResNet-50 (94 MB of parameters) at 4 processes (2 "nodes" x 2), a step each, then the same
     command again, which resumes and has nothing left to train: {run: [(start, built, peak) a
     rank]}, each process's resident memory in KiB as main() starts, once its model is built (as
-    its process group starts), and its peak."""
-    make_image_tree(cwd / "data", classes=4, train=2, val=1)
+    its process group starts), and its peak; and the first run's epochs."""
+    make_image_tree(cwd / "data", classes=5, train=2, val=1)  # 5 held-out images at 4 ranks
     args = [1, 1, "--arch", "resnet50", "--image_size", 32, "--batch_size", 2]
     figures = {}
     for name in ("fresh", "resumed"):
@@ -63,6 +63,7 @@ def peaks(stage: str, cwd: Path) -> dict:
         assert run.returncode == 0, run.output
         files = [cwd / name / f"memory-{rank}" for rank in range(4)]
         figures[name] = [tuple(map(int, file.read_text().split())) for file in files]
+        figures.setdefault("epochs", run.epochs())
     return figures
 
 
@@ -119,6 +120,16 @@ def test_no_fsdp_rank_but_the_writer_holds_the_whole_model(slow_runs):
         ddp_least = min(figures[when] - figures[0] for figures in ddp[name])
         fsdp_most = max(figures[when] - figures[0] for figures in fsdp[name][1:])
         assert fsdp_most < 0.5 * ddp_least, (name, when, ddp[name], fsdp[name])
+
+
+@pytest.mark.slow
+def test_fsdp_counts_each_held_out_image_once(slow_runs):
+    """The memory runs' first epoch: 5 held-out images at 4 ranks, which fsdp.py pads to 8 with
+    copies: its accuracy, as multinode.py's, is a count of right answers over 5, not 8."""
+    for stage in ("multinode", "fsdp"):
+        epochs = slow_runs[f"memory-{stage}"]["epochs"]
+        ((_, _, accuracy, *_),) = epochs
+        assert accuracy > 0 and round(accuracy * 5, 3).is_integer(), (stage, epochs)
 
 
 @pytest.mark.slow
