@@ -112,7 +112,7 @@ def test_no_fsdp_rank_but_the_writer_holds_the_whole_model(slow_runs):
     """fsdp.py beside multinode.py, each rank's memory less its memory as main() starts: every
     rank but rank 0 (which writes the snapshot) under half of a DDP rank's once the model is
     built, and at its peak in a run that trains and saves, and in one that resumes (measured:
-    0.0, 0.34 and 0.41). A whole model built on every rank, whole copies kept at a save, or the
+    0.08, 0.34 and 0.41). A whole model built on every rank, whole copies kept at a save, or the
     file read whole at a resume, each fails it. The README's CPU setting: glibc otherwise keeps
     the freed gathers (0.65-0.73 at the peak of the first)."""
     ddp, fsdp = slow_runs["memory-multinode"], slow_runs["memory-fsdp"]
