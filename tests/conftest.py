@@ -215,7 +215,10 @@ def launch_timed(stage: str, args: list, cwd: Path, **start_args) -> tuple[int, 
     start, line)]). Shows when each line left the processes, not only what they printed."""
     begin = time.monotonic()
     (proc,) = start(stage, args, cwd, **start_args)
+    deadline = threading.Timer(300, end_processes_in, [cwd])  # a hang ends the output too
+    deadline.start()
     lines = [(time.monotonic() - begin, line.rstrip("\n")) for line in proc.stdout]
+    deadline.cancel()
     return proc.wait(), lines
 
 
@@ -424,7 +427,7 @@ def kill_launcher_after(stage: str, epoch: int, cwd: Path, timeout: float = 300)
     kill until no process works in cwd (None: some still did after 30 s), "output": ...}."""
     (proc,) = start(stage, [400, 1], cwd)
     begin = time.monotonic()
-    deadline = threading.Timer(timeout, proc.kill)  # a silent hang ends too: the output stops
+    deadline = threading.Timer(timeout, end_processes_in, [cwd])  # a silent hang ends too
     deadline.start()
     lines = []
     for line in proc.stdout:  # the launcher's own output, workers' included, until the kill

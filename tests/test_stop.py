@@ -141,7 +141,7 @@ def second_ctrl_c(stage: str, cwd: Path, hang: str) -> dict:
     else:
         procs = start(stage, [EPOCHS, 1, "--workers", 1], cwd)
         line = "Epoch 1 "
-    deadline = threading.Timer(300, lambda: [proc.kill() for proc in procs])  # a hang ends too
+    deadline = threading.Timer(300, end_processes_in, [cwd])  # a hang ends too, orphans included
     deadline.start()
     lines = []
     for text in procs[0].stdout:
@@ -169,10 +169,10 @@ def second_ctrl_c(stage: str, cwd: Path, hang: str) -> dict:
     finally:
         for proc in procs:
             proc.kill()
-            lines.append(proc.communicate()[0])
-    time.sleep(1)
-    left = processes_in(cwd)
-    end_processes_in(cwd)
+        time.sleep(1)
+        left = processes_in(cwd)
+        end_processes_in(cwd)  # before reading to the end: a survivor holds the output open
+        lines.extend(proc.communicate()[0] for proc in procs)
     epoch = load(cwd / "snapshot.pt")["epoch"]
     output = "".join(lines)
     return {"alive": alive, "codes": codes, "stopped": stopped, "left": left, "epoch": epoch,
