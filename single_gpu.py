@@ -180,6 +180,8 @@ class Trainer:
         self.args = args
         self.run = run
         self.global_rank = 0
+        self.save_at = time.monotonic() + 60 * (args.save_minutes or math.inf)
+        self.unsaved_steps = 0
         try:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         except ValueError as e:
@@ -195,6 +197,8 @@ class Trainer:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
             saved = save_snapshot(self.args.snapshot_path, snapshot)
+        self.save_at = time.monotonic() + 60 * (self.args.save_minutes or math.inf)
+        self.unsaved_steps = 0
         return saved
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -206,8 +210,19 @@ class Trainer:
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
+    def _update(self, step: int, updates: int) -> None:
+        """The optimizer's step number `step`, of `updates` an epoch."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = get_lr(step, self.args.total_epochs * updates, self.args.lr)
+        if self.args.grad_clip:  # by the norm of the whole step's gradient, over all ranks
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.unsaved_steps += 1
+
     def _run_epoch(self, epoch: int, samples: int) -> tuple[torch.Tensor, int, int]:
-        """From the epoch's `samples`-th sample on: loss sum, samples, stop signal or 0."""
+        """From the epoch's `samples`-th sample to its end (returns 0), a stop (the signal) or a
+        save due on the clock (None); also returns the loss sum and samples, this rank's."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
         # Resumed: after the last step trained.
@@ -225,35 +240,37 @@ class Trainer:
             loss_sum += self._run_batch(source, targets)
             if not update:
                 continue
-            lr_step = epoch * updates + step // self.args.grad_accum
-            for group in self.optimizer.param_groups:
-                group["lr"] = get_lr(lr_step, self.args.total_epochs * updates, self.args.lr)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            stopped = stop_signals[0] if stop_signals else 0
-            if stopped:
-                return loss_sum, min(len(sampler), (step + 1) * self.args.batch_size), stopped
+            self._update(epoch * updates + step // self.args.grad_accum, updates)
+            stopped = max(stop_signals, default=0)
+            due = time.monotonic() > self.save_at
+            if stopped or due:
+                samples = min(len(sampler), (step + 1) * self.args.batch_size)
+                return loss_sum, samples, stopped or None
             if self.global_rank == 0 and time.monotonic() > report:
                 print(f"  epoch {epoch + 1}: step {step + 1} of {steps}", flush=True)
                 report = time.monotonic() + 30
         return loss_sum, min(len(sampler), steps * self.args.batch_size), 0
 
     def train(self) -> int:
-        """0 at the end; 128 + the signal at a stop, saved; 1 if a save failed."""
-        epochs_run, skipped, loss_saved = self.resume
-        if self.global_rank == 0 and (epochs_run or skipped):
-            left = max(0, self.args.total_epochs - epochs_run)
-            print(f"{self.args.snapshot_path}: resumed after epoch {epochs_run}, {left} to go")
-        for epoch in range(epochs_run, self.args.total_epochs):
-            began = time.perf_counter()
+        """0 at the end; 128 + the signal at a stop, saved; 1 if a save failed or it diverged."""
+        epoch, samples, loss_sum = self.resume
+        if self.global_rank == 0 and (epoch or samples):
+            left = max(0, self.args.total_epochs - epoch)
+            print(f"{self.args.snapshot_path}: resumed after epoch {epoch}, {left} to go")
+        began, skipped = time.perf_counter(), samples
+        while epoch < self.args.total_epochs:
             val_batches = iter(self.val_data)  # loaded while the epoch trains
-            loss_sum, samples, stopped = self._run_epoch(epoch, skipped)
-            correct = 0 if stopped else evaluate(self.model, val_batches, self.device)
+            loss, samples, stopped = self._run_epoch(epoch, samples)
+            correct = evaluate(self.model, val_batches, self.device) if stopped == 0 else 0
             evaluated = len(self.val_data.dataset)
-            loss_sum = float(loss_sum) + loss_saved
-            if stopped:
+            loss_sum += float(loss)
+            if not math.isfinite(loss_sum):  # NaN or infinite: so are the weights, never saved
+                return self._diverged(epoch, samples, loss_sum)
+            if stopped != 0:  # a stop signal, or a save due inside the epoch (None)
                 if not self._save_snapshot(epoch, int(samples), loss_sum):
                     return 1
+                if stopped is None:  # the epoch goes on from there
+                    continue
                 if self.global_rank == 0:
                     where = f"in epoch {epoch + 1} after {int(samples)} samples"
                     print(f"{signal.Signals(stopped).name}: stopped {where}; run again to resume")
@@ -266,8 +283,16 @@ class Trainer:
             due = (epoch + 1) % self.args.save_every == 0 or epoch + 1 == self.args.total_epochs
             if due and not self._save_snapshot(epoch + 1):
                 return 1
-            skipped, loss_saved = 0, 0.0
+            epoch, samples, loss_sum = epoch + 1, 0, 0.0
+            began, skipped = time.perf_counter(), 0
         return 0
+
+    def _diverged(self, epoch: int, samples: float, loss_sum: float) -> int:
+        if self.global_rank == 0:
+            where = f"in epoch {epoch + 1} after {int(samples)} samples"
+            since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
+            print(f"error: the loss is {loss_sum} {where}, {since}", file=sys.stderr)
+        return 1
 
 
 @torch.no_grad()
@@ -355,9 +380,14 @@ if __name__ == "__main__":
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--workers", type=natural)
+    parser.add_argument("--save_minutes", type=float, default=30.0)
+    parser.add_argument("--grad_clip", type=float, default=0.0)
     args = parser.parse_args()
     if not 0 < args.lr < float("inf"):
         parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
+    for name in ("save_minutes", "grad_clip"):
+        if not 0 <= getattr(args, name) < float("inf"):
+            parser.error(f"argument --{name}: expected a number >= 0, got {getattr(args, name)}")
     args.total_epochs = args.epochs or args.total_epochs
     args.save_every = args.every or args.save_every
     sys.exit(main(args))

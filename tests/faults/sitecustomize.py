@@ -29,6 +29,9 @@ themselves carry no test hooks:
   FAULT_STEP_CLOCK=SECONDS        every optimizer step moves the process's time.monotonic() on by
                                   that much (a long epoch, quickly)
   FAULT_STEP_RAISE=N              rank 0 raises after its N-th optimizer step (an error in a step)
+  FAULT_STEP_NAN=N                after its N-th optimizer step, every process sets its weights
+                                  to NaN (a run that diverged)
+  FAULT_SIGNAL_RANK=R             FAULT_SIGNAL's rank: R, not 0 (one node's processes signalled)
 """
 
 import os
@@ -173,6 +176,23 @@ if os.environ.get("FAULT_STEP_RAISE"):
 
     register_optimizer_step_post_hook(_raise_after_step)
 
+if os.environ.get("FAULT_STEP_NAN"):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _nan_steps = [0]
+
+    def _nan_after_step(optimizer, *_) -> None:
+        import torch
+
+        _nan_steps[0] += 1
+        if _nan_steps[0] == int(os.environ["FAULT_STEP_NAN"]):
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        param.fill_(float("nan"))
+
+    register_optimizer_step_post_hook(_nan_after_step)
+
 HOOKS = ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR", "FAULT_SAVE")
 if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIGNAL"):
     import io
@@ -265,7 +285,11 @@ if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIG
         _sent = []
 
         def send(when: str) -> None:
-            if when == _when and _rank() == 0 and not _sent:
+            if (
+                when == _when
+                and _rank() == int(os.environ.get("FAULT_SIGNAL_RANK", 0))
+                and not _sent
+            ):
                 _sent.append(time.time())
                 os.kill(os.getpid(), signal.Signals[_name])
 
