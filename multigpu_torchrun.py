@@ -5,7 +5,6 @@ command resumes it.
 """
 
 import argparse
-import atexit
 import contextlib
 import itertools
 import math
@@ -46,7 +45,10 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     """The one place that picks the hardware: a GPU, or the CPU."""
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, cores // local_world_size))  # its share of the cores it may use
+    # Its share of the node's cores: a Slurm job's, else those it may use. An srun task that
+    # Slurm binds to its own cores (task/affinity) may use only those.
+    node = int(os.environ.get("SLURM_CPUS_ON_NODE", cores))
+    torch.set_num_threads(max(1, min(cores, node // local_world_size)))
     torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphans
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL cannot share a GPU between processes
@@ -386,9 +388,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         code = 1
     del trainer, train_data, val_data  # loader workers end before the exit functions
     dist.destroy_process_group()
-    atexit._run_exitfuncs()  # pytorch#107298 (gloo aborts exit); test_faults.py
-    sys.stdout.flush()
-    os._exit(code)
+    sys.exit(code)
 
 
 def natural(text: str, least: int = 0) -> int:

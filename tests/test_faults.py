@@ -5,7 +5,16 @@ import re
 
 import pytest
 
-from conftest import DEAD_RANKS, EPOCHS, assert_bitwise_equal, load, processes_in, single_gpu
+from conftest import (
+    DEAD_RANKS,
+    EPOCHS,
+    STAGES,
+    assert_bitwise_equal,
+    assert_same_model,
+    load,
+    processes_in,
+    single_gpu,
+)
 
 
 @pytest.mark.parametrize("name", DEAD_RANKS)
@@ -134,3 +143,39 @@ def test_a_snapshot_that_cannot_be_written_ends_the_job(runs, stage):
     assert "error: cannot save snapshot.pt: [Errno 28] No space left on device" in run.output
     assert [e[0] for e in run.epochs()] == [1, 2] and not processes_in(cwd), run.output
     assert load(cwd / "snapshot.pt")["epoch"] == 1 and not list(cwd.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_crash_without_a_signal_costs_minutes_and_a_diverged_run_is_never_saved(
+    reference_runs, runs, stage
+):
+    """--save_minutes 1, a step moving the clock on by 25 s (at two ranks, rank 1's clock alone,
+    so every rank saves when one says it is time), weights NaN after step 5 of epoch 1: a save
+    inside epoch 1 before it, none after it, one error line that says where, exit code 1. The
+    same command again resumes inside epoch 1 and ends bit for bit on the uninterrupted model."""
+    cwd, run = runs[f"periodic-{stage}"]
+    errors = [line for line in run.output.splitlines() if line.startswith("error:")]
+    assert run.returncode == 1 and len(errors) == 1, run.output
+    assert errors[0].startswith("error: the loss is nan in epoch 1 after "), errors
+    assert "steps after the last snapshot, which is kept" in errors[0], errors
+    kept = load(cwd / "kept.pt")
+    assert kept["epoch"] == 0 and 0 < kept["samples"] <= 5 * 64, kept["samples"]
+    assert all(tensor.isfinite().all() for tensor in kept["model"].values())
+    assert not list(cwd.glob("*.tmp")), list(cwd.iterdir())
+    _, resumed = runs[f"periodic-resume-{stage}"]
+    assert resumed.returncode == 0, resumed.output
+    assert "snapshot.pt: resumed after epoch 0, 3 to go" in resumed.output, resumed.output
+    assert [e[0] for e in resumed.epochs()] == list(range(1, EPOCHS + 1)), resumed.output
+    final = reference_runs[stage][0] / f"snapshot.pt.epoch{EPOCHS}"
+    assert_bitwise_equal(load(cwd / "snapshot.pt"), load(final))
+
+
+@pytest.mark.parametrize("stage", STAGES[1:])
+def test_gradients_are_clipped_by_the_global_norm_of_the_step(runs, stage):
+    """--grad_clip 1 for an epoch: every stage ends on single_gpu.py's model (batch 64 in one
+    process), also from micro-batches (2 x 8 x 4) under DDP and FSDP: the norm is the whole
+    step's, over every rank and after accumulation, not a rank's or a micro-batch's."""
+    reference_cwd, reference = runs["clip-single_gpu"]
+    cwd, run = runs[f"clip-{stage}"]
+    assert reference.returncode == 0 and run.returncode == 0, reference.output + run.output
+    assert_same_model(load(cwd / "snapshot.pt"), load(reference_cwd / "snapshot.pt"))

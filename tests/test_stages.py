@@ -3,6 +3,7 @@
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 import types
@@ -88,6 +89,88 @@ def test_snapshot_is_plain_and_loads_safely(reference_runs, stage):
     assert not list(reference_runs[stage][0].glob("*.tmp"))
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_epoch_trains_in_a_new_order(reference_runs, stage):
+    """The order each rank trained in, epoch by epoch (tests/faults records what its sampler
+    gave): every epoch a new shuffle, the one of seed 0 + epoch, rank r of two taking every
+    other sample of it from the r-th."""
+    record = reference_runs[stage][0] / "record"
+    ranks = (0,) if stage == "single_gpu" else (0, 1)
+    orders = []
+    for epoch in range(EPOCHS):
+        shuffled = torch.randperm(640, generator=torch.Generator().manual_seed(epoch)).tolist()
+        for rank in ranks:
+            order = json.loads((record / f"train-rank{rank}-epoch{epoch}.json").read_text())
+            assert order == shuffled[rank :: len(ranks)], (stage, epoch, rank)
+        orders.append(shuffled)
+    assert len({tuple(order) for order in orders}) == EPOCHS
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_held_out_pass_changes_nothing_and_draws_nothing(stage):
+    """evaluate() runs the model as at inference: BatchNorm uses its running statistics and does
+    not update them with held-out data, dropout is off, so the model is unchanged and the same
+    images give the same count twice; and training mode is back on for the next epoch's step."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Dropout(0.5))
+    model.append(nn.Linear(16, 3))
+    model(torch.randn(8, 3, 2, 2))  # a training step's forward: statistics to keep
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [(torch.randn(16, 3, 2, 2), torch.randint(3, (16,))) for _ in range(3)]
+    evaluate = stage_module(stage).evaluate
+    counts = [evaluate(model, iter(batches), torch.device("cpu")).item() for _ in range(2)]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert counts[0] == counts[1], counts
+
+
+def test_clipping_changes_the_step(tmp_path):
+    """--grad_clip: a small norm changes what a step does (the stages' runs with it: the same
+    model in every stage, test_faults.py)."""
+    trained = []
+    for clip in (0.0, 1e-3):
+        (tmp_path / str(clip)).mkdir()
+        torch.manual_seed(0)
+        trainer = small_trainer(single_gpu(), tmp_path / str(clip))
+        trainer.args.grad_clip = clip
+        assert trainer.train() == 0
+        trained.append(torch.cat([p.flatten() for p in trainer.model.parameters()]))
+    assert (trained[0] - trained[1]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    "cores, node, processes, threads",
+    [
+        (4, 16, 4, 4),  # 4 srun tasks x 4 cores, each bound to its own (Slurm's task/affinity)
+        (16, 16, 4, 4),  # the same, unbound (--cpu-bind=none): each sees the node's 16
+        (64, 8, 4, 2),  # a torchrun in a job of 8 of a node's 64 cores, unbound
+        (8, None, 2, 4),  # no Slurm: a CPU set of 8 cores (taskset) for 2 processes
+        (1, 4, 4, 1),  # 4 tasks of one core each
+    ],
+)
+def test_a_process_takes_its_share_of_the_node(monkeypatch, cores, node, processes, threads):
+    """setup() sets as many threads as its share of the cores Slurm gives the job on the node,
+    and no more than the cores it may use."""
+    import torch.distributed as dist
+
+    module = stage_module("multinode")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.multiprocessing, "_prctl_pr_set_pdeathsig", lambda signum: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+    if node is None:
+        monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_CPUS_ON_NODE", str(node))
+    taken = []
+    monkeypatch.setattr(torch, "set_num_threads", taken.append)
+    module.setup(0, 0)
+    assert taken == [threads]
+
+
 def test_ranks_see_disjoint_shards(reference_runs):
     record = reference_runs["multigpu"][0] / "record"
     train_set, val_set, _ = single_gpu().load_datasets(None, 32, "none")
@@ -166,7 +249,7 @@ def small_trainer(stage, tmp_path, samples: int = 8) -> object:
     """The stage's Trainer on random images at batch 2 (4 steps for 8 samples), on the CPU; the
     distributed stages in a process group of one (world_of_one)."""
     flags = dict(total_epochs=1, save_every=1, batch_size=2, grad_accum=1, lr=3e-3, seed=0)
-    flags.update(workers=0, compile=False, precision="fp32")
+    flags.update(workers=0, compile=False, precision="fp32", grad_clip=0.0, save_minutes=30.0)
     args = argparse.Namespace(**flags, snapshot_path=str(tmp_path / "snapshot.pt"))
     data = TensorDataset(torch.randn(samples, 3, 32, 32), torch.arange(samples) % 10)
     train_data, val_data = stage.prepare_dataloaders(data, data, args, gpu=False)

@@ -225,15 +225,21 @@ def queue_slow_runs(runs: Runs, root: Path) -> None:
         args = [*stop_args(stage), "--workers", "2"]
         cwd = root / f"{stage}-every-process"
         queue(cwd.name, stopped_then_resumed, stage, args, cwd, "SIGTERM", every=True)
-        for step in (13, 14):
+        for step in (13, 14):  # multigpu.py: rank 1 alone is signalled, and both stop
             cwd = root / f"epoch-end-{stage}-{step}"
             faults = {"FAULT_SIGNAL": f"SIGTERM:step:{step}"}
+            if stage == "multigpu":
+                faults["FAULT_SIGNAL_RANK"] = "1"
             queue(cwd.name, stopped_then_resumed, stage, epoch_end_args(stage), cwd, **faults)
     for stage, hang in SECOND_CTRL_C:
         cwd = root / f"second-ctrl-c-{hang}-{stage}"
         queue(cwd.name, second_ctrl_c, stage, cwd, hang)
     queue("full-at-stop", full_at_stop, root / "full-at-stop")
-    for stage in ("single_gpu", "multigpu_torchrun"):  # stopped by rank 0 after step 13 of 20
+    for stage in ("multinode", "fsdp"):  # one node's process alone signalled (an eviction)
+        faults = {"FAULT_SIGNAL": "SIGTERM:step:13", "FAULT_SIGNAL_RANK": "1"}
+        cwd = root / f"one-node-{stage}"
+        queue(cwd.name, stopped_then_resumed, stage, stop_args(stage), cwd, **faults)
+    for stage in ("single_gpu", "multigpu_torchrun"):  # stopped by the last rank after step 13
         args = [*stop_args(stage), *DROPOUT]
         queue(
             reference_name(stage, args),
@@ -242,7 +248,10 @@ def queue_slow_runs(runs: Runs, root: Path) -> None:
             args,
             root / reference_name(stage, args),
         )
-        faults = {"FAULT_SIGNAL": "SIGTERM:step:13"}
+        faults = {
+            "FAULT_SIGNAL": "SIGTERM:step:13",
+            "FAULT_SIGNAL_RANK": str(stage != "single_gpu"),
+        }
         queue(
             f"dropout-{stage}",
             stopped_then_resumed,
@@ -385,3 +394,14 @@ def test_a_model_with_dropout_resumes_bit_for_bit(slow_runs, stage):
     stopped, resumed = slow_runs[f"dropout-{stage}"]
     assert_saved_where_it_stopped(stopped, "SIGTERM")
     assert_resumes_bit_for_bit(slow_runs, stage, [*stop_args(stage), *DROPOUT], stopped, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["multinode", "fsdp"])
+def test_a_stop_signal_to_one_node_stops_every_rank(slow_runs, stage):
+    """SIGTERM to rank 1 alone, on the second node (a spot instance reclaimed, a pod evicted):
+    every rank stops after the same step, rank 0 saves, and the run resumes bit for bit."""
+    stopped, resumed = slow_runs[f"one-node-{stage}"]
+    assert stopped["codes"] == [1], stopped["output"]  # torchrun: a rank exited 128 + 15
+    assert_saved_where_it_stopped(stopped, "SIGTERM")
+    assert_resumes_bit_for_bit(slow_runs, stage, stop_args(stage), stopped, resumed)

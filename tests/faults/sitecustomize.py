@@ -8,7 +8,9 @@ themselves carry no test hooks:
   SAVE_KILL_AT=N                  the N-th torch.save of a process writes half the snapshot, then
                                   SIGKILLs itself
   KEEP_SNAPSHOTS=1                after each atomic rename, copy the snapshot to PATH.epochN
-  RECORD_DIR=DIR                  write the sample indices each rank trains on and evaluates
+  RECORD_DIR=DIR                  write the sample indices each rank trains on, an epoch's
+                                  order a file (numbered as the process starts them), and
+                                  those it evaluates
   EXIT_HOOKS=DIR                  as a user's code would: print a line without flushing it, and
                                   register an atexit handler that writes DIR/atexit-PID
   EXIT_WORKERS=DIR                write DIR/workers-PID: the loader workers alive, and the time,
@@ -27,7 +29,8 @@ themselves carry no test hooks:
   FAULT_STEP_SLEEP=SECONDS        every optimizer step takes that much longer (a slow GPU), so
                                   that a signal sent during an epoch arrives before its end
   FAULT_STEP_CLOCK=SECONDS        every optimizer step moves the process's time.monotonic() on by
-                                  that much (a long epoch, quickly)
+                                  that much (a long epoch, quickly)...
+  FAULT_CLOCK_RANK=R              ...in rank R alone (its clock runs ahead of the others')
   FAULT_STEP_RAISE=N              rank 0 raises after its N-th optimizer step (an error in a step)
   FAULT_STEP_NAN=N                after its N-th optimizer step, every process sets its weights
                                   to NaN (a run that diverged)
@@ -157,7 +160,11 @@ if os.environ.get("FAULT_STEP_CLOCK"):
     time.monotonic = lambda: _monotonic() + _ahead[0]
 
     def _advance_clock(*_) -> None:
-        _ahead[0] += float(os.environ["FAULT_STEP_CLOCK"])
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == int(os.environ.get("FAULT_CLOCK_RANK", rank)):
+            _ahead[0] += float(os.environ["FAULT_STEP_CLOCK"])
 
     register_optimizer_step_post_hook(_advance_clock)
 
@@ -256,18 +263,23 @@ if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIG
         os.replace = replace
 
     if os.environ.get("RECORD_DIR"):
-        _iter, _loader_init = DistributedSampler.__iter__, DataLoader.__init__
+        from torch.utils.data import RandomSampler
 
-        def sampler_iter(self):
-            indices = list(_iter(self))
-            with open(
-                os.path.join(
-                    os.environ["RECORD_DIR"], f"train-rank{_rank()}-epoch{self.epoch}.json"
-                ),
-                "w",
-            ) as f:
-                json.dump(indices, f)
-            return iter(indices)
+        _loader_init, _epochs = DataLoader.__init__, [0]
+
+        def recording(sampler_iter):
+            """A sampler's __iter__ that also writes the order it gives (single_gpu.py's
+            RandomSampler, or a rank's DistributedSampler), numbered as the epochs start."""
+
+            def sampler_iter_and_record(self):
+                indices = list(sampler_iter(self))
+                name = f"train-rank{_rank()}-epoch{_epochs[0]}.json"
+                with open(os.path.join(os.environ["RECORD_DIR"], name), "w") as f:
+                    json.dump(indices, f)
+                _epochs[0] += 1
+                return iter(indices)
+
+            return sampler_iter_and_record
 
         def loader_init(self, dataset, *args, **kwargs):
             if kwargs.get("sampler") is None and isinstance(dataset, Subset):
@@ -277,7 +289,8 @@ if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIG
                     json.dump(list(dataset.indices), f)
             _loader_init(self, dataset, *args, **kwargs)
 
-        DistributedSampler.__iter__ = sampler_iter
+        DistributedSampler.__iter__ = recording(DistributedSampler.__iter__)
+        RandomSampler.__iter__ = recording(RandomSampler.__iter__)
         DataLoader.__init__ = loader_init
 
     if os.environ.get("FAULT_SIGNAL"):
