@@ -6,6 +6,7 @@ command resumes it.
 """
 
 import argparse
+import atexit
 import contextlib
 import itertools
 import math
@@ -126,9 +127,11 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    try:  # ViT: 224 only
-        with torch.no_grad():
-            model.eval()(torch.zeros(1, 3, size, size))
+    try:  # ViT takes 224 only. Checked on the meta device: shapes alone, no compute at any size.
+        named = [*model.named_parameters(), *model.named_buffers()]
+        with torch.device("meta"), torch.no_grad():
+            shapes = {name: tensor.to("meta") for name, tensor in named}
+            torch.func.functional_call(model.eval(), shapes, torch.zeros(1, 3, size, size))
     except (RuntimeError, AssertionError) as e:
         raise ValueError(f"--arch {arch} cannot take --image_size {size}: {e}") from None
     return model
@@ -176,39 +179,66 @@ def keyed(state: dict, model: nn.Module) -> dict:
 
 
 def blocks(module: nn.Module, limit: int, parts: bool = False) -> Iterator[nn.Module]:
-    """Repeated blocks (ResNet's, a transformer's layers), outermost first; one over the limit
-    gives its parts, which it calls (a part's own parts may be used without a call)."""
+    """The model's repeated blocks in the order they run: each child whose class repeats among its
+    siblings (ResNet's blocks, a transformer's layers). A block over `limit` bytes gives its parts
+    instead, the children it calls: a part's own children may be used without a call (Swin's
+    attention multiplies by its layers' weights), so a part stays whole unless it is too large."""
     kinds = [type(child) for child in module.children()]
-    twice = {kind for kind in kinds if kinds.count(kind) > 1}
     for child in module.children():
         size = sum(p.nbytes for p in child.parameters())
-        unit = (parts or type(child) in twice) and not isinstance(child, nn.Sequential | FSDPModule)
-        if unit and size and (size <= limit or not list(child.children())):  # a leaf stays whole
+        block = (parts or kinds.count(type(child)) > 1) and size > 0
+        if isinstance(child, nn.Sequential | FSDPModule):  # a container, or BatchNorm's unit
+            block = False
+        if block and (size <= limit or not list(child.children())):
             yield child
-        else:
-            yield from blocks(child, limit, parts or unit and size > limit)
+        else:  # not a block, so look inside; or a block too large, so take its parts
+            yield from blocks(child, limit, parts or block)
+
+
+def units(model: nn.Module) -> list[list[nn.Module]]:
+    """FSDP's units: neighbouring blocks together, up to a quarter of the model's bytes. Each unit
+    costs a gather and hooks at every step, so a few large ones run faster than many small ones;
+    the largest, gathered whole as it runs, sets how much memory a gather needs."""
+    total = sum(p.nbytes for p in model.parameters())
+    grouped, size = [[]], 0
+    for block in blocks(model, total // 4):
+        nbytes = sum(p.nbytes for p in block.parameters())
+        if grouped[-1] and size + nbytes > total // 4:
+            grouped.append([])
+            size = 0
+        grouped[-1].append(block)
+        size += nbytes
+    return [unit for unit in grouped if unit]
 
 
 def shard_model(model: nn.Module, precision: str, device: torch.device, compiled: bool) -> None:
-    """A unit per repeated block, then the rest; a rank keeps 1/N, gathers a unit as it runs."""
+    """Groups of blocks, then the rest, each an FSDP unit: a rank keeps 1/N of each, and gathers
+    a unit whole only while it runs."""
     weights = model.state_dict()
+    buffers = dict(model.named_buffers())  # rank 0's: the state dict lacks non-persistent ones
     bf16 = torch.bfloat16 if precision == "bf16" else None
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
     norms = [m for m in model.modules() if getattr(m, "running_mean", None) is not None]
     if norms:  # BatchNorm: float32 weights, as its float32 statistics
         fully_shard(norms, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))
+    grouped = units(model)
     total = sum(p.nbytes for p in model.parameters())
-    units = [*blocks(model, total // 4), model]  # at most a quarter of the model, where it can
-    sizes = [sum(p.nbytes for p in unit.parameters()) for unit in units[:-1]]
-    for unit in units:
-        if compiled and unit is not model:  # each block before it is sharded: measured fastest
-            unit.compile()
+    sizes = [sum(p.nbytes for block in unit for p in block.parameters()) for unit in grouped]
+    for unit in grouped:
+        for block in unit if compiled else []:  # each block before it is sharded: measured fastest
+            block.compile()
         fully_shard(unit, mp_policy=policy)
-    model.to_empty(device=device)
+    fully_shard(model, mp_policy=policy)
+    model.to_empty(device=device)  # the weights and buffers, uninitialised, on this rank's device
     dcp.set_model_state_dict(model, weights, options=BROADCAST)
+    for name, buffer in model.named_buffers():  # every buffer, from rank 0
+        if dist.get_rank() == 0:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, 0)
     if dist.get_rank() == 0:
+        count = len(grouped) + 1 + bool(norms)  # the groups, the rest, BatchNorm's
         largest = max([*sizes, total - sum(sizes)])
-        print(f"FSDP: {len(units) + bool(norms)} units, the largest {largest:,} of {total:,} bytes")
+        print(f"FSDP: {count} units, the largest {largest:,} of {total:,} bytes")
 
 
 def save_snapshot(path: str, snapshot: dict) -> bool:
@@ -308,8 +338,7 @@ class Trainer:
             # Dropout: seeded by rank and step; a resume draws the same
             torch.manual_seed(hash((self.args.seed, self.global_rank, epoch, step)))
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
-            self.model.set_requires_gradient_sync(update)  # reduce-scattered at updates only
-            loss_sum += self._run_batch(source, targets)
+            loss_sum += self._run_batch(source, targets)  # FSDP reduce-scatters each micro-batch
             if not update:
                 continue
             self._update(epoch * updates + step // self.args.grad_accum, updates)
@@ -332,7 +361,8 @@ class Trainer:
         epoch, samples, loss_sum = self.resume
         if self.global_rank == 0 and (epoch or samples):
             left = max(0, self.args.total_epochs - epoch)
-            print(f"{self.args.snapshot_path}: resumed after epoch {epoch}, {left} to go")
+            where = f" and {samples} samples of epoch {epoch + 1}" if samples else ""
+            print(f"{self.args.snapshot_path}: resumed after epoch {epoch}{where}, {left} to go")
         began, skipped = time.perf_counter(), samples
         while epoch < self.args.total_epochs:
             val_batches = iter(self.val_data)  # loaded while the epoch trains
@@ -344,7 +374,7 @@ class Trainer:
             loss, samples, correct, evaluated = figures.tolist()
             loss_sum += loss
             if not math.isfinite(loss_sum):  # NaN or infinite: so are the weights, never saved
-                return self._diverged(epoch, samples, loss_sum)
+                return self._diverged(epoch, loss_sum)
             if stopped != 0:  # a stop signal, or a save due inside the epoch (None)
                 if not self._save_snapshot(epoch, int(samples), loss_sum):
                     return 1
@@ -366,11 +396,10 @@ class Trainer:
             began, skipped = time.perf_counter(), 0
         return 0
 
-    def _diverged(self, epoch: int, samples: float, loss_sum: float) -> int:
+    def _diverged(self, epoch: int, loss_sum: float) -> int:
         if self.global_rank == 0:
-            where = f"in epoch {epoch + 1} after {int(samples)} samples"
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
-            print(f"error: the loss is {loss_sum} {where}, {since}", file=sys.stderr)
+            print(f"error: the loss is {loss_sum} in epoch {epoch + 1}, {since}", file=sys.stderr)
         return 1
 
 
@@ -441,7 +470,9 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         code = 1
     del trainer, train_data, val_data  # loader workers end before the exit functions
     dist.destroy_process_group()
-    sys.exit(code)
+    atexit._run_exitfuncs()  # a user's atexit handlers run, but not Python's slow teardown:
+    sys.stdout.flush()
+    os._exit(code)  # seconds with torch loaded, and Gloo's threads can abort it (pytorch#107298)
 
 
 def natural(text: str, least: int = 0) -> int:

@@ -6,6 +6,7 @@ command resumes it.
 """
 
 import argparse
+import atexit
 import contextlib
 import itertools
 import math
@@ -122,9 +123,11 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    try:  # ViT: 224 only
-        with torch.no_grad():
-            model.eval()(torch.zeros(1, 3, size, size))
+    try:  # ViT takes 224 only. Checked on the meta device: shapes alone, no compute at any size.
+        named = [*model.named_parameters(), *model.named_buffers()]
+        with torch.device("meta"), torch.no_grad():
+            shapes = {name: tensor.to("meta") for name, tensor in named}
+            torch.func.functional_call(model.eval(), shapes, torch.zeros(1, 3, size, size))
     except (RuntimeError, AssertionError) as e:
         raise ValueError(f"--arch {arch} cannot take --image_size {size}: {e}") from None
     return model
@@ -287,7 +290,8 @@ class Trainer:
         epoch, samples, loss_sum = self.resume
         if self.global_rank == 0 and (epoch or samples):
             left = max(0, self.args.total_epochs - epoch)
-            print(f"{self.args.snapshot_path}: resumed after epoch {epoch}, {left} to go")
+            where = f" and {samples} samples of epoch {epoch + 1}" if samples else ""
+            print(f"{self.args.snapshot_path}: resumed after epoch {epoch}{where}, {left} to go")
         began, skipped = time.perf_counter(), samples
         while epoch < self.args.total_epochs:
             val_batches = iter(self.val_data)  # loaded while the epoch trains
@@ -299,7 +303,7 @@ class Trainer:
             loss, samples, correct, evaluated = figures.tolist()
             loss_sum += loss
             if not math.isfinite(loss_sum):  # NaN or infinite: so are the weights, never saved
-                return self._diverged(epoch, samples, loss_sum)
+                return self._diverged(epoch, loss_sum)
             if stopped != 0:  # a stop signal, or a save due inside the epoch (None)
                 if not self._save_snapshot(epoch, int(samples), loss_sum):
                     return 1
@@ -321,11 +325,10 @@ class Trainer:
             began, skipped = time.perf_counter(), 0
         return 0
 
-    def _diverged(self, epoch: int, samples: float, loss_sum: float) -> int:
+    def _diverged(self, epoch: int, loss_sum: float) -> int:
         if self.global_rank == 0:
-            where = f"in epoch {epoch + 1} after {int(samples)} samples"
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
-            print(f"error: the loss is {loss_sum} {where}, {since}", file=sys.stderr)
+            print(f"error: the loss is {loss_sum} in epoch {epoch + 1}, {since}", file=sys.stderr)
         return 1
 
 
@@ -389,7 +392,9 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         code = 1
     del trainer, train_data, val_data  # loader workers end before the exit functions
     dist.destroy_process_group()
-    sys.exit(code)
+    atexit._run_exitfuncs()  # a user's atexit handlers run, but not Python's slow teardown:
+    sys.stdout.flush()
+    os._exit(code)  # seconds with torch loaded, and Gloo's threads can abort it (pytorch#107298)
 
 
 def natural(text: str, least: int = 0) -> int:

@@ -493,6 +493,33 @@ def runs(tmp_path_factory):
         env = stage_env(KEEP_SNAPSHOTS="1", RECORD_DIR=str(cwd / "record"))
         args = [EPOCHS, 1, *global_batch_args(stage)]
         runs.start(f"reference-{stage}", cwd, stage=stage, args=args, env=env)
+    # Early, so that the timed runs at the end of the queue share the cores as before: a save
+    # every minute on a clock that runs 25 s a step (at two ranks, rank 1's clock alone: rank 0
+    # must save too), until the weights turn NaN after step 5; then the same command again, on
+    # the snapshot the first left (kept aside as kept.pt): test_faults.py.
+    for stage in STAGES:
+        cwd = folder(f"periodic-{stage}")
+        faults = {"FAULT_STEP_CLOCK": "25", "FAULT_STEP_NAN": "5"}
+        if stage != "single_gpu":
+            faults["FAULT_CLOCK_RANK"] = "1"
+        args = [EPOCHS, EPOCHS, *global_batch_args(stage), "--save_minutes", 1]
+        runs.start(f"periodic-{stage}", cwd, stage=stage, args=args, env=stage_env(**faults))
+        keep = functools.partial(shutil.copyfile, cwd / "snapshot.pt", cwd / "kept.pt")
+        runs.start(
+            f"periodic-resume-{stage}",
+            cwd,
+            after=f"periodic-{stage}",
+            prepare=keep,
+            stage=stage,
+            args=args,
+        )
+    # One epoch with the whole step's gradient clipped to norm 1 (most steps are over it), in
+    # every stage at global batch 64; under DDP and FSDP from micro-batches (2 x 8 x 4).
+    for stage in STAGES:
+        args = [1, 1, *global_batch_args(stage), "--grad_clip", 1]
+        if stage in ("multigpu_torchrun", "fsdp"):
+            args = [1, 1, "--batch_size", 8, "--grad_accum", 4, "--grad_clip", 1]
+        runs.start(f"clip-{stage}", folder(f"clip-{stage}"), stage=stage, args=args)
     # The longest runs next, so that none is left alone at the end. The README's commands, run in
     # order in one folder, as a user does (test_repository.py).
     runs.submit("readme", functools.partial(run_readme_commands, folder("readme")))
@@ -547,32 +574,6 @@ def runs(tmp_path_factory):
         )
         args = [EPOCHS, 1, *global_batch_args(resumed)]
         runs.start(name, cwd, after=f"reference-{written}", prepare=copy, stage=resumed, args=args)
-    # A save every minute on a clock that runs 25 s a step (at two ranks, rank 1's clock alone:
-    # rank 0 must save too), until the weights turn NaN after step 5; then the same command
-    # again, on the snapshot the first left (kept aside as kept.pt): test_faults.py.
-    for stage in STAGES:
-        cwd = folder(f"periodic-{stage}")
-        faults = {"FAULT_STEP_CLOCK": "25", "FAULT_STEP_NAN": "5"}
-        if stage != "single_gpu":
-            faults["FAULT_CLOCK_RANK"] = "1"
-        args = [EPOCHS, EPOCHS, *global_batch_args(stage), "--save_minutes", 1]
-        runs.start(f"periodic-{stage}", cwd, stage=stage, args=args, env=stage_env(**faults))
-        keep = functools.partial(shutil.copyfile, cwd / "snapshot.pt", cwd / "kept.pt")
-        runs.start(
-            f"periodic-resume-{stage}",
-            cwd,
-            after=f"periodic-{stage}",
-            prepare=keep,
-            stage=stage,
-            args=args,
-        )
-    # One epoch with the whole step's gradient clipped to norm 1 (most steps are over it), in
-    # every stage at global batch 64; under DDP and FSDP from micro-batches (2 x 8 x 4).
-    for stage in STAGES:
-        args = [1, 1, *global_batch_args(stage), "--grad_clip", 1]
-        if stage in ("multigpu_torchrun", "fsdp"):
-            args = [1, 1, "--batch_size", 8, "--grad_accum", 4, "--grad_clip", 1]
-        runs.start(f"clip-{stage}", folder(f"clip-{stage}"), stage=stage, args=args)
     # fsdp.py: the global batch (64) from micro-batches (2 processes x 8 x 4), and in bf16.
     args = [EPOCHS, EPOCHS, "--batch_size", 8, "--grad_accum", 4]
     runs.start("accumulate-fsdp", folder("accumulate-fsdp"), stage="fsdp", args=args)

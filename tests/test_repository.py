@@ -20,9 +20,9 @@ from conftest import EPOCH_LINE, REPO, STAGES, single_gpu
 README = (REPO / "README.md").read_text()
 # Changed lines to the next stage, and code tokens (Python's tokens outside comments and
 # docstrings): no stage grows past these figures. Comments are free: plain sentences.
-LIMITS = {"single_gpu": 113, "multigpu": 34, "multigpu_torchrun": 12, "multinode": 84}
-TOKENS = {"single_gpu": 3_388, "multigpu": 4_159, "multigpu_torchrun": 4_005, "multinode": 4_128}
-TOKENS["fsdp"] = 4_770
+LIMITS = {"single_gpu": 116, "multigpu": 34, "multigpu_torchrun": 12, "multinode": 110}
+TOKENS = {"single_gpu": 3_436, "multigpu": 4_207, "multigpu_torchrun": 4_053, "multinode": 4_176}
+TOKENS["fsdp"] = 4_980
 
 
 def changed_lines(a: str, b: str) -> int:
