@@ -40,7 +40,8 @@ def start_loader_worker(worker_id: int) -> None:
     """Stops are for the training process; a worker dies with it."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too
+    # Dies with its process, even when it hangs and no longer checks on it.
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)
 
 
 def setup(local_rank: int, global_rank: int) -> torch.device:
@@ -51,7 +52,7 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     # Slurm binds to its own cores (task/affinity) may use only those.
     node = int(os.environ.get("SLURM_CPUS_ON_NODE", cores))
     torch.set_num_threads(max(1, min(cores, node // local_world_size)))
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # no orphans
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # dies with its launcher
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL cannot share a GPU between processes
         error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
@@ -205,14 +206,14 @@ class Trainer:
         except ValueError as e:
             dist.destroy_process_group()
             sys.exit(f"error: {e}" if self.global_rank == 0 else 1)
-        self.cpu_group = dist.new_group(backend="gloo")  # stops, saves: no GPU waits
+        self.cpu_group = dist.new_group(backend="gloo")  # CPU tensors: reading one never waits
         self.stop = torch.tensor([0, 0])  # a stop signal, and a save due
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
         self.train_model = model
-        if args.compile:  # CUDA graphs: steps at once; replays overwrite summed gradients
+        if args.compile:  # CUDA graphs replay a step whole: not when micro-batches add up
             mode = "reduce-overhead" if args.grad_accum == 1 else None
             self.train_model = torch.compile(self.train_model, mode=mode)
-        if dist.get_world_size() > 1:  # DDP all-reduces gradients; compiled first, as nanoGPT
+        if dist.get_world_size() > 1:  # DDP wraps the compiled model, as nanoGPT's does
             self.train_model = nn.parallel.DistributedDataParallel(self.train_model)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
@@ -253,7 +254,7 @@ class Trainer:
         save due on the clock (None); also returns the loss sum and samples, this rank's."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        # Resumed: after the last step trained.
+        # A resumed epoch starts after the last step it trained.
         first = math.ceil(samples / (sampler.num_replicas * self.args.batch_size))
         sampler.start = first * self.args.batch_size
         steps = len(self.train_data)
@@ -262,7 +263,7 @@ class Trainer:
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
-            # Dropout: seeded by rank and step; a resume draws the same
+            # Dropout draws from the seed, rank and step, so a resumed run draws the same masks.
             torch.manual_seed(hash((self.args.seed, self.global_rank, epoch, step)))
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
             sync = update or dist.get_world_size() == 1  # DDP all-reduces at updates only
@@ -351,7 +352,7 @@ def prepare_dataloaders(
         workers = min(8, torch.get_num_threads()) if gpu else 0
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
     load.update(worker_init_fn=start_loader_worker)
-    if workers:  # forked: spawned, each would import torch again
+    if workers:  # forked: a spawned rank would spawn them, each importing torch again
         load.update(multiprocessing_context="fork")
     sampler = EpochSampler(train_set, seed=args.seed)
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
@@ -371,7 +372,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
-    except ValueError as e:  # bad input: one line
+    except ValueError as e:  # bad input: one line, then the job ends
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
     device = setup(local_rank, global_rank)
     if args.deterministic:
@@ -389,7 +390,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     trainer = Trainer(model, train_data, val_data, device, args, run)
     try:
         code = trainer.train()
-    except Exception:  # workers end now, not at exit
+    except Exception:  # printed here, so that its loader workers end now, not at exit
         traceback.print_exc()
         code = 1
     del trainer, train_data, val_data  # loader workers end before the exit functions
@@ -440,16 +441,16 @@ if __name__ == "__main__":
     args.total_epochs = args.epochs or args.total_epochs
     args.save_every = args.every or args.save_every
     port = socket.socket()  # a free port, held for the job
-    port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rank 0 binds it too
+    port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # so rank 0 can bind it too
     port.bind(("localhost", 0))
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port.getsockname()[1]))
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(args.world_size)  # as torchrun
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the ranks from the terminal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal sends Ctrl-C to the ranks too
     ranks = torch.multiprocessing.spawn(main, args=(args,), nprocs=args.world_size, join=False)
 
     def pass_on(signum: int, frame: object) -> None:  # Kubernetes signals the launcher alone
         for rank in ranks.processes:
-            if rank.exitcode is None:  # not reaped: the PID is still its own
+            if rank.exitcode is None:  # still running: its process ID is not yet reused
                 os.kill(rank.pid, signum)
 
     for signum in (signal.SIGTERM, signal.SIGUSR1):

@@ -37,7 +37,8 @@ def start_loader_worker(worker_id: int) -> None:
     """Stops are for the training process; a worker dies with it."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # hung ones too
+    # Dies with its process, even when it hangs and no longer checks on it.
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)
 
 
 def setup() -> torch.device:
@@ -189,7 +190,7 @@ class Trainer:
         except ValueError as e:
             sys.exit(f"error: {e}")
         self.train_model = model
-        if args.compile:  # CUDA graphs: steps at once; replays overwrite summed gradients
+        if args.compile:  # CUDA graphs replay a step whole: not when micro-batches add up
             mode = "reduce-overhead" if args.grad_accum == 1 else None
             self.train_model = torch.compile(self.train_model, mode=mode)
 
@@ -227,7 +228,7 @@ class Trainer:
         save due on the clock (None); also returns the loss sum and samples, this rank's."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        # Resumed: after the last step trained.
+        # A resumed epoch starts after the last step it trained.
         first = math.ceil(samples / self.args.batch_size)
         sampler.start = first * self.args.batch_size
         steps = len(self.train_data)
@@ -236,7 +237,7 @@ class Trainer:
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
-            # Dropout: seeded by rank and step; a resume draws the same
+            # Dropout draws from the seed, rank and step, so a resumed run draws the same masks.
             torch.manual_seed(hash((self.args.seed, self.global_rank, epoch, step)))
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
             loss_sum += self._run_batch(source, targets)
@@ -332,7 +333,7 @@ def main(args: argparse.Namespace) -> int:
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
-    except ValueError as e:  # bad input: one line
+    except ValueError as e:  # bad input: one line, then the job ends
         sys.exit(f"error: {e}")
     device = setup()
     if args.deterministic:
@@ -348,7 +349,7 @@ def main(args: argparse.Namespace) -> int:
     trainer = Trainer(model, train_data, val_data, device, args, run)
     try:
         return trainer.train()
-    except Exception:  # workers end now, not at exit
+    except Exception:  # printed here, so that its loader workers end now, not at exit
         traceback.print_exc()
         return 1
 
