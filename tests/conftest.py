@@ -99,6 +99,12 @@ def own_output(output: str) -> str:
     )
 
 
+RESUMED_ON_THE_CLOCK = (
+    "single_gpu",
+    "multinode",
+    "fsdp",
+)  # the others save alike: multinode's lines
+
 RESTARTS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # what --max-restarts needs (README)
 
 
@@ -495,8 +501,8 @@ def runs(tmp_path_factory):
         runs.start(f"reference-{stage}", cwd, stage=stage, args=args, env=env)
     # Early, so that the timed runs at the end of the queue share the cores as before: a save
     # every minute on a clock that runs 25 s a step (at two ranks, rank 1's clock alone: rank 0
-    # must save too), until the weights turn NaN after step 5; then the same command again, on
-    # the snapshot the first left (kept aside as kept.pt): test_faults.py.
+    # must save too), until the weights turn NaN after step 5; then, in one process, a node and
+    # FSDP, the same command again on the snapshot the first left (kept.pt): test_faults.py.
     for stage in STAGES:
         cwd = folder(f"periodic-{stage}")
         faults = {"FAULT_STEP_CLOCK": "25", "FAULT_STEP_NAN": "5"}
@@ -505,14 +511,17 @@ def runs(tmp_path_factory):
         args = [EPOCHS, EPOCHS, *global_batch_args(stage), "--save_minutes", 1]
         runs.start(f"periodic-{stage}", cwd, stage=stage, args=args, env=stage_env(**faults))
         keep = functools.partial(shutil.copyfile, cwd / "snapshot.pt", cwd / "kept.pt")
-        runs.start(
-            f"periodic-resume-{stage}",
-            cwd,
-            after=f"periodic-{stage}",
-            prepare=keep,
-            stage=stage,
-            args=args,
-        )
+        if stage in RESUMED_ON_THE_CLOCK:
+            runs.start(
+                f"periodic-resume-{stage}",
+                cwd,
+                after=f"periodic-{stage}",
+                prepare=keep,
+                stage=stage,
+                args=args,
+            )
+        else:
+            runs.submit(f"periodic-resume-{stage}", keep, after=f"periodic-{stage}")
     # One epoch with the whole step's gradient clipped to norm 1 (most steps are over it), in
     # every stage at global batch 64; under DDP and FSDP from micro-batches (2 x 8 x 4).
     for stage in STAGES:

@@ -8,6 +8,7 @@ import pytest
 from conftest import (
     DEAD_RANKS,
     EPOCHS,
+    RESUMED_ON_THE_CLOCK,
     STAGES,
     assert_bitwise_equal,
     assert_same_model,
@@ -152,8 +153,10 @@ def test_a_crash_without_a_signal_costs_minutes_and_a_diverged_run_is_never_save
     """--save_minutes 1, a step moving the clock on by 25 s (at two ranks, rank 1's clock alone,
     so every rank saves when one says it is time), weights NaN after step 5 of epoch 1: a save
     inside epoch 1 before it, none after it, one error line that says where, exit code 1. The
-    same command again resumes inside epoch 1 and ends bit for bit on the uninterrupted model."""
+    same command again (one process, a node, FSDP) resumes inside epoch 1 and ends bit for bit on
+    the uninterrupted model."""
     cwd, run = runs[f"periodic-{stage}"]
+    resumed = runs[f"periodic-resume-{stage}"]  # once the snapshot is kept aside as kept.pt
     errors = [line for line in run.output.splitlines() if line.startswith("error:")]
     assert run.returncode == 1 and len(errors) == 1, run.output
     assert errors[0].startswith("error: the loss is nan in epoch 1, "), errors
@@ -162,7 +165,9 @@ def test_a_crash_without_a_signal_costs_minutes_and_a_diverged_run_is_never_save
     assert kept["epoch"] == 0 and 0 < kept["samples"] <= 5 * 64, kept["samples"]
     assert all(tensor.isfinite().all() for tensor in kept["model"].values())
     assert not list(cwd.glob("*.tmp")), list(cwd.iterdir())
-    _, resumed = runs[f"periodic-resume-{stage}"]
+    if stage not in RESUMED_ON_THE_CLOCK:  # their saves are multinode.py's lines
+        return
+    _, resumed = resumed
     assert resumed.returncode == 0, resumed.output
     resumed_at = f"snapshot.pt: resumed after epoch 0 and {kept['samples']} samples of epoch 1"
     assert f"{resumed_at}, 3 to go" in resumed.output, resumed.output
