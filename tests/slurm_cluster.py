@@ -230,12 +230,17 @@ def submit_all(env: dict, root: Path) -> dict:
 ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE")
 
 
-def follow(env: dict, cwd: Path, sbatch_args: list, during=None, timeout: float = 900) -> dict:
+def follow(
+    env: dict, cwd: Path, sbatch_args: list, during=None, timeout: float = 900, hooks=None
+) -> dict:
     """sbatch, from cwd, as a user; then the job is followed until it ends for good (not with
     `sbatch --wait`: it once returned as the job was requeued). A requeued job waits 2 minutes
     before it may start again: this starts it 3 s after it was requeued. during(job, log text)
-    runs twice a second. {"ended" (its last state), "job", "log", "state" (scontrol show job)}."""
+    runs twice a second; hooks: tests/faults' variables for the job's processes. {"ended" (its
+    last state), "job", "log", "state" (scontrol show job)}."""
     env = user_env(env, CPU_PROCS="1")
+    if hooks:
+        env.update(hooks, PYTHONPATH=str(REPO / "tests" / "faults"))
     command = ["sbatch", "--parsable", "--gpus-per-node=0", *map(str, sbatch_args)]
     submitted = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
     job = submitted.stdout.strip().split(";")[0]

@@ -3,6 +3,7 @@ slurm_cluster.py). The jobs run in the background from the session's start (conf
 ones: jobs that a time limit or a preemption stops, and that requeue themselves."""
 
 import functools
+import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -128,17 +129,22 @@ def test_a_job_stopped_at_every_start_ends_after_its_requeues(slurm_env, tmp_pat
 @pytest.mark.slow
 def test_srun_tasks_train_as_torchrun_does(slurm_env, slow_runs, tmp_path):
     """Four srun tasks (2 nodes x 2) x 16 train the model that two torchrun nodes x 32 train:
-    global batch 64 either way; one log, every epoch once."""
+    global batch 64 either way; one log, every epoch once. Each task takes its share of the
+    step's cores on its node (8: 2 tasks x 4 --cpus-per-task), within its CPU set (this machine's
+    2 cores here): 2 threads, where dividing its CPU set by the node's tasks gave 1."""
     cwd = tmp_path / "repo"
     copy_repo(cwd)
+    (cwd / "threads").mkdir()
     command = ["--ntasks-per-node=2", "slurm/multinode_srun.sh", EPOCHS, 1, "--batch_size", 16]
-    finished = follow(slurm_env, cwd, command)
+    finished = follow(slurm_env, cwd, command, hooks={"RECORD_THREADS": str(cwd / "threads")})
     log = finished["log"]
     assert finished["ended"] == "COMPLETED", finished["state"] + log
     assert "start 1 (requeued 0 times)" in log and "Traceback" not in log, log
     assert [e[0] for e in epochs_of(log)] == list(range(1, EPOCHS + 1)), log
     reference, _ = slow_runs["slurm-srun"]
     assert_same_model(load(cwd / "multinode.pt"), reference)
+    threads = [int(path.read_text()) for path in (cwd / "threads").glob("threads-*")]
+    assert threads == [min(len(os.sched_getaffinity(0)), 8 // 2)] * 4, threads
 
 
 @pytest.fixture(scope="module")
