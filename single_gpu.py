@@ -20,13 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
-# SIGTERM: preemption; SIGUSR1: a time limit is near (not Windows).
+# The signals that stop a run, saved: Ctrl-C, SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's
+# warning that the time limit is near; Windows has none).
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
 stop_signals: list[int] = []
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
-    """Stop after the optimizer step; after a Ctrl-C, the next stop signal ends it now."""
+    """Notes the signal: training stops after the current step. After a Ctrl-C, a second stop
+    signal ends the process at once."""
     stop_signals.append(signum)
     if signum == signal.SIGINT:
         for stop in STOP_SIGNALS:
@@ -34,7 +36,8 @@ def note_stop_signal(signum: int, frame: object) -> None:
 
 
 def start_loader_worker(worker_id: int) -> None:
-    """Stops are for the training process; a worker dies with it."""
+    """A loader worker ignores the stop signals (its training process stops and saves) and
+    dies with that process."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     # Dies with its process, even when it hangs and no longer checks on it.
@@ -42,20 +45,21 @@ def start_loader_worker(worker_id: int) -> None:
 
 
 def setup() -> torch.device:
-    """The one place that picks the hardware: a GPU, or the CPU."""
+    """The one place that picks the hardware: a GPU if there is one, else the CPU."""
     gpus = torch.cuda.device_count()
     device = torch.device("cuda") if gpus else torch.device("cpu")
     if gpus:
-        torch.set_float32_matmul_precision("high")  # TF32 for float32
+        torch.set_float32_matmul_precision("high")  # float32 matmuls on TF32 cores: faster
     return device
 
 
 def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Dataset, Dataset, int]:
-    """Train, val and the number of classes: built-in, or DIR/{train,val}/CLASS/*."""
+    """The training set, the held-out set and the number of classes: the built-in images, or
+    your folders DIR/train/CLASS/* and DIR/val/CLASS/*."""
     if data_dir is None:
         if augment != "none":
             raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
-        g = torch.Generator().manual_seed(1234)  # noisy class prototypes
+        g = torch.Generator().manual_seed(1234)  # each class: a pattern, plus noise per image
         labels = torch.randint(10, (720,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size)
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, size, size, generator=g)
@@ -81,7 +85,8 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 
 class EpochSampler(RandomSampler):
-    """Shuffled by seed and epoch; from the `start`-th sample on."""
+    """Shuffles by seed and epoch, so every epoch has its own order and a resume the same one;
+    it gives the epoch's samples from the `start`-th on (where a stopped epoch resumes)."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         super().__init__(dataset, generator=torch.Generator())
@@ -96,7 +101,8 @@ class EpochSampler(RandomSampler):
 
 
 def build_model(arch: str, classes: int, size: int) -> nn.Module:
-    """convnet: a small CNN with GroupNorm (the same at any number of ranks)."""
+    """convnet, a small CNN, or a torchvision classifier. convnet normalises with GroupNorm,
+    which works within each sample, so it trains alike at any number of ranks."""
     if arch == "convnet":
         # fmt: off
         model = nn.Sequential(
@@ -123,7 +129,8 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
 
 
 def get_lr(step: int, steps: int, peak: float) -> float:
-    """Mid-step `step` of `steps`: a warm-up over 10% of them, then down to 0."""
+    """The learning rate in the middle of step `step` of `steps`: it rises linearly over the
+    first 10% of the steps, then falls linearly to 0."""
     done = (step + 0.5) / steps
     return peak * min(done / 0.1, (1 - done) / 0.9)
 
@@ -131,17 +138,18 @@ def get_lr(step: int, steps: int, peak: float) -> float:
 def load_snapshot(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict
 ) -> tuple:
-    """Where to resume: (epochs done, samples and loss sum of the next)."""
+    """Loads the snapshot, if there is one, into the model and optimizer. Returns where to
+    resume: the epochs done, then the samples trained and their loss sum in the next one."""
     if not os.path.exists(path):
         return 0, 0, 0.0
     try:
-        snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # runs no code
+        snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # never runs code
         ran = snapshot.get("run", run)
         differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
         if differs:
             raise ValueError(f"it holds another run ({'; '.join(differs)}): give each its own path")
         model.load_state_dict(snapshot["model"])
-        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW
+        for group in snapshot["optimizer"]["param_groups"]:  # fused AdamW on GPUs only
             group.update(fused=optimizer.defaults["fused"], foreach=None)
         optimizer.load_state_dict(snapshot["optimizer"])
     except Exception as e:
@@ -150,7 +158,8 @@ def load_snapshot(
 
 
 def save_snapshot(path: str, snapshot: dict) -> bool:
-    """Written beside the last one, then renamed over it: a crash or full disk keeps the last."""
+    """Writes beside the last snapshot, then renames over it: a crash or a full disk leaves
+    the last one whole. Returns whether it saved."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(f"{path}.tmp", "wb") as f:
@@ -209,7 +218,7 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # The global batch's mean, at any micro-batch and number of ranks.
+        # Over the global batch: the mean gradient, however micro-batches and ranks split it.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
@@ -263,7 +272,7 @@ class Trainer:
             print(f"{self.args.snapshot_path}: resumed after epoch {epoch}{where}, {left} to go")
         began, skipped = time.perf_counter(), samples
         while epoch < self.args.total_epochs:
-            val_batches = iter(self.val_data)  # loaded while the epoch trains
+            val_batches = iter(self.val_data)  # its workers load while the epoch trains
             loss, samples, stopped = self._run_epoch(epoch, samples)
             correct = evaluate(self.model, val_batches, self.device) if stopped == 0 else 0
             evaluated = len(self.val_data.dataset)
@@ -311,7 +320,8 @@ def evaluate(model: nn.Module, val_batches: Iterator, device: torch.device) -> t
 def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
-    """Loader processes prepare batches while a GPU computes."""
+    """The training and held-out loaders. Loader processes prepare batches while the GPU
+    computes."""
     workers = args.workers
     if workers is None:
         workers = min(8, torch.get_num_threads()) if gpu else 0
@@ -337,11 +347,11 @@ def main(args: argparse.Namespace) -> int:
         sys.exit(f"error: {e}")
     device = setup()
     if args.deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # read as cuBLAS starts
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS needs it
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
     model.to(device)
-    # What decides the result: another run's snapshot is refused.
+    # The settings that decide the result: a snapshot of a run with others is refused.
     run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
     run.update(data=[classes, len(train_set), len(val_set), args.image_size])
     run["batch"] = args.batch_size * args.grad_accum
