@@ -229,11 +229,14 @@ def launch_timed(stage: str, args: list, cwd: Path, **start_args) -> tuple[int, 
 
 
 def processes_in(folder: Path) -> list[int]:
-    """PIDs of the processes whose working folder is `folder`: each run has its own."""
+    """PIDs of the processes whose working folder is `folder`: each run has its own. A zombie has
+    ended (it holds no memory, file or GPU): this machine's PID 1 reaps an orphan's late."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/cwd") == str(folder):
+            with open(f"/proc/{pid}/stat") as f:
+                ended = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            if os.readlink(f"/proc/{pid}/cwd") == str(folder) and not ended:
                 found.append(int(pid))
     return found
 
