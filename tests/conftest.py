@@ -241,6 +241,15 @@ def processes_in(folder: Path) -> list[int]:
     return found
 
 
+def processes_left(folder: Path, seconds: float = 5) -> list[int]:
+    """processes_in(folder) once they have had `seconds` to end: on a loaded machine a process
+    can take a few seconds to exit, such as the resource tracker that spawn's launcher starts."""
+    end = time.monotonic() + seconds
+    while (found := processes_in(folder)) and time.monotonic() < end:
+        time.sleep(0.1)
+    return found
+
+
 def end_processes_in(folder: Path) -> None:
     for pid in processes_in(folder):
         with contextlib.suppress(ProcessLookupError):

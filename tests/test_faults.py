@@ -13,7 +13,7 @@ from conftest import (
     assert_bitwise_equal,
     assert_same_model,
     load,
-    processes_in,
+    processes_left,
     single_gpu,
 )
 
@@ -66,7 +66,7 @@ def test_restarts_without_the_variable_stop_before_any_work(runs):
     line = "error: with --max-restarts, run TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun\n"
     assert run.output.count(line) == 2, run.output  # rank 0's, at the start and at the restart
     # Two starts (the restart too) on a loaded machine; a hang would last until a timeout.
-    assert run.seconds < 120 and not processes_in(cwd), run.output
+    assert run.seconds < 120 and not processes_left(cwd), run.output
 
 
 @pytest.mark.parametrize("stage", ["multigpu", "multigpu_torchrun"])
@@ -142,7 +142,7 @@ def test_a_snapshot_that_cannot_be_written_ends_the_job(runs, stage):
     cwd, run = runs[f"disk-full-{stage}"]
     assert run.returncode == 1 and run.output.count("error: ") == 1, run.output
     assert "error: cannot save snapshot.pt: [Errno 28] No space left on device" in run.output
-    assert [e[0] for e in run.epochs()] == [1, 2] and not processes_in(cwd), run.output
+    assert [e[0] for e in run.epochs()] == [1, 2] and not processes_left(cwd), run.output
     assert load(cwd / "snapshot.pt")["epoch"] == 1 and not list(cwd.glob("*.tmp"))
 
 

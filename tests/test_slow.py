@@ -16,7 +16,7 @@ from conftest import (
     load,
     make_image_tree,
     max_param_diff,
-    processes_in,
+    processes_left,
     single_gpu,
     stage_env,
 )
@@ -28,7 +28,7 @@ def finished(stage: str, args: list, cwd: Path, timeout: float = 600) -> tuple:
     """(Run, its snapshot, the processes still working in its folder as it ended)."""
     cwd.mkdir()
     run = launch(stage, args, cwd, timeout=timeout)
-    left = processes_in(cwd)
+    left = processes_left(cwd)
     return run, load(cwd / "snapshot.pt") if run.returncode == 0 else None, left
 
 
