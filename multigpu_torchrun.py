@@ -1,7 +1,8 @@
 """Stage 3 of 5, torchrun: torchrun --standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10
 
-50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
-command resumes it.
+(50 epochs, a snapshot every 10: --total_epochs 50 --save_every 10; without them, 5 and 5.)
+Ctrl-C, SIGTERM or SIGUSR1 stops it after the current step and saves a snapshot; the same command
+resumes it. The README's table gives every flag with its default.
 """
 
 import argparse
@@ -50,19 +51,19 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     """The one place that picks the hardware: a GPU if there is one, else the CPU."""
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # Its share of the node's cores: a Slurm job's, else those it may use. An srun task that
-    # Slurm binds to its own cores (task/affinity) may use only those.
+    # Its share of the node's cores (a Slurm job's, else all it may use), and never more than its
+    # CPU set: an srun task that Slurm binds to its own cores (task/affinity) may use only those.
     node = int(os.environ.get("SLURM_CPUS_ON_NODE", cores))
     torch.set_num_threads(max(1, min(cores, node // local_world_size)))
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # dies with its launcher
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # it dies when its launcher dies
     gpus = torch.cuda.device_count()
-    if 0 < gpus < local_world_size:  # NCCL cannot share a GPU between processes
+    if 0 < gpus < local_world_size:  # NCCL needs a GPU of its own for each process
         error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
         sys.exit(error if local_rank == 0 else 1)
     device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)
-        torch.set_float32_matmul_precision("high")  # float32 matmuls on TF32 cores: faster
+        torch.set_float32_matmul_precision("high")  # float32 matmuls use the faster TF32 cores
     backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, gloo for CPUs
     dist.init_process_group(backend, rank=global_rank, device_id=device if gpus else None)
     return device
@@ -74,7 +75,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
     if data_dir is None:
         if augment != "none":
             raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
-        g = torch.Generator().manual_seed(1234)  # each class: a pattern, plus noise per image
+        g = torch.Generator().manual_seed(1234)  # each class has a pattern; each image adds noise
         labels = torch.randint(10, (720,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size)
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, size, size, generator=g)
@@ -151,20 +152,20 @@ def load_snapshot(
 ) -> tuple:
     """Loads the snapshot, if there is one, into the model and optimizer. Returns where to
     resume: the epochs done, then the samples trained and their loss sum in the next one."""
-    sizes = [None] * dist.get_world_size()  # one file for every rank, or none
+    sizes = [None] * dist.get_world_size()  # every rank must see the same file, or none
     dist.all_gather_object(sizes, os.path.getsize(path) if os.path.exists(path) else None)
     if sizes != [sizes[0]] * len(sizes):
         raise ValueError(f"ranks resume from different snapshots: share {path}")
     if not os.path.exists(path):
         return 0, 0, 0.0
     try:
-        snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # never runs code
+        snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # runs no code in the file
         ran = snapshot.get("run", run)
         differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
         if differs:
             raise ValueError(f"it holds another run ({'; '.join(differs)}): give each its own path")
         model.load_state_dict(snapshot["model"])
-        for group in snapshot["optimizer"]["param_groups"]:  # fused AdamW on GPUs only
+        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW: fused on GPUs
             group.update(fused=optimizer.defaults["fused"], foreach=None)
         optimizer.load_state_dict(snapshot["optimizer"])
     except Exception as e:
@@ -214,14 +215,14 @@ class Trainer:
         except ValueError as e:
             dist.destroy_process_group()
             sys.exit(f"error: {e}" if self.global_rank == 0 else 1)
-        self.cpu_group = dist.new_group(backend="gloo")  # CPU tensors: reading one never waits
-        self.stop = torch.tensor([0, 0])  # a stop signal, and a save due
+        self.cpu_group = dist.new_group(backend="gloo")  # CPU tensors: a read never waits
+        self.stop = torch.tensor([0, 0])  # a stop signal, and whether a save is due
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
         self.train_model = model
-        if args.compile:  # CUDA graphs replay a step whole: not when micro-batches add up
+        if args.compile:  # CUDA graphs would overwrite gradients that micro-batches add up
             mode = "reduce-overhead" if args.grad_accum == 1 else None
             self.train_model = torch.compile(self.train_model, mode=mode)
-        if dist.get_world_size() > 1:  # DDP wraps the compiled model, as nanoGPT's does
+        if dist.get_world_size() > 1:  # DDP wraps the compiled model, as nanoGPT does
             self.train_model = nn.parallel.DistributedDataParallel(self.train_model)
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
@@ -234,7 +235,7 @@ class Trainer:
         dist.all_reduce(done, dist.ReduceOp.MIN, self.cpu_group)  # the others wait for the write
         self.save_at = time.monotonic() + 60 * (self.args.save_minutes or math.inf)
         self.unsaved_steps = 0
-        self.vote.wait()  # a vote cast before this save could ask for it again
+        self.vote.wait()  # a vote cast before this save would ask for another
         self.stop[1] = 0
         return bool(done)
 
@@ -243,7 +244,7 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # Over the global batch: the mean gradient, however micro-batches and ranks split it.
+        # Divided by the global batch: the mean gradient, however micro-batches and ranks split it.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
@@ -274,13 +275,13 @@ class Trainer:
             # Dropout draws from the seed, rank and step, so a resumed run draws the same masks.
             torch.manual_seed(hash((self.args.seed, self.global_rank, epoch, step)))
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
-            sync = update or dist.get_world_size() == 1  # DDP all-reduces at updates only
+            sync = update or dist.get_world_size() == 1  # DDP syncs at a step's end
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
                 loss_sum += self._run_batch(source, targets)
             if not update:
                 continue
             self._update(epoch * updates + step // self.args.grad_accum, updates)
-            # Stop or save together (one rank alone would hang the others), agreed a step later.
+            # Stop or save together (one rank alone would hang the others), as agreed a step later.
             self.vote.wait()
             stopped, due = self.stop.tolist()
             due_now = time.monotonic() > self.save_at
@@ -303,7 +304,7 @@ class Trainer:
             print(f"{self.args.snapshot_path}: resumed after epoch {epoch}{where}, {left} to go")
         began, skipped = time.perf_counter(), samples
         while epoch < self.args.total_epochs:
-            val_batches = iter(self.val_data)  # its workers load while the epoch trains
+            val_batches = iter(self.val_data)  # its workers load batches while the epoch trains
             loss, samples, stopped = self._run_epoch(epoch, samples)
             correct = evaluate(self.model, val_batches, self.device) if stopped == 0 else 0
             evaluated = len(self.val_data.dataset)
@@ -311,12 +312,12 @@ class Trainer:
             dist.all_reduce(figures, group=self.cpu_group)  # summed over the ranks
             loss, samples, correct, evaluated = figures.tolist()
             loss_sum += loss
-            if not math.isfinite(loss_sum):  # NaN or infinite: so are the weights, never saved
+            if not math.isfinite(loss_sum):  # NaN or infinite: so are the weights; never save them
                 return self._diverged(epoch, loss_sum)
             if stopped != 0:  # a stop signal, or a save due inside the epoch (None)
                 if not self._save_snapshot(epoch, int(samples), loss_sum):
                     return 1
-                if stopped is None:  # the epoch goes on from there
+                if stopped is None:  # a periodic save: the epoch goes on
                     continue
                 if self.global_rank == 0:
                     where = f"in epoch {epoch + 1} after {int(samples)} samples"
@@ -363,7 +364,8 @@ def prepare_dataloaders(
     load.update(worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
-    # BatchNorm cannot train on one sample: no last batch of one, unless it is the only one.
+    # BatchNorm cannot train on a batch of one sample: such a last batch is dropped, unless it is
+    # the only one.
     one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
@@ -379,17 +381,17 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
-    except ValueError as e:  # bad input: one line, then the job ends
+    except ValueError as e:  # bad input: one error line, then the job ends
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
     device = setup(local_rank, global_rank)
     if args.deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS needs it
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS needs this to be deterministic
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
     model.to(device)
-    if device.type == "cuda":  # BatchNorm statistics over all ranks
+    if device.type == "cuda":  # BatchNorm takes its statistics over all ranks
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # The settings that decide the result: a snapshot of a run with others is refused.
+    # The settings that decide the result: a snapshot from a run with other settings is refused.
     run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
     run.update(data=[classes, len(train_set), len(val_set), args.image_size])
     run["batch"] = args.batch_size * args.grad_accum * dist.get_world_size()
@@ -397,10 +399,10 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     trainer = Trainer(model, train_data, val_data, device, args, run)
     try:
         code = trainer.train()
-    except Exception:  # printed here, so that its loader workers end now, not at exit
+    except Exception:  # printed now, so its loader workers end now, not at exit
         traceback.print_exc()
         code = 1
-    del trainer, train_data, val_data  # loader workers end before the exit functions
+    del trainer, train_data, val_data  # the loader workers end before the exit functions run
     dist.destroy_process_group()
     atexit._run_exitfuncs()  # a user's atexit handlers run, but not Python's slow teardown:
     sys.stdout.flush()
@@ -450,7 +452,7 @@ if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ:
         sys.exit(f"error: start {os.path.basename(__file__)} with torchrun (see its first lines)")
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
-    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # README
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # the README says why
         error = "error: with --max-restarts, run TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun"
         sys.exit(error if os.environ["RANK"] == "0" else 1)
     main(int(os.environ["LOCAL_RANK"]), args)

@@ -1,7 +1,8 @@
 """Stage 1 of 5, one process on one GPU or the CPU: python single_gpu.py 50 10
 
-50 epochs, a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stop it after a step, saved; the same
-command resumes it.
+(50 epochs, a snapshot every 10: --total_epochs 50 --save_every 10; without them, 5 and 5.)
+Ctrl-C, SIGTERM or SIGUSR1 stops it after the current step and saves a snapshot; the same command
+resumes it. The README's table gives every flag with its default.
 """
 
 import argparse
@@ -49,7 +50,7 @@ def setup() -> torch.device:
     gpus = torch.cuda.device_count()
     device = torch.device("cuda") if gpus else torch.device("cpu")
     if gpus:
-        torch.set_float32_matmul_precision("high")  # float32 matmuls on TF32 cores: faster
+        torch.set_float32_matmul_precision("high")  # float32 matmuls use the faster TF32 cores
     return device
 
 
@@ -59,7 +60,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
     if data_dir is None:
         if augment != "none":
             raise ValueError("--augment needs --data_dir: the built-in images are not augmented")
-        g = torch.Generator().manual_seed(1234)  # each class: a pattern, plus noise per image
+        g = torch.Generator().manual_seed(1234)  # each class has a pattern; each image adds noise
         labels = torch.randint(10, (720,), generator=g)
         prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size)
         images = prototypes[labels] + 1.5 * torch.randn(720, 3, size, size, generator=g)
@@ -143,13 +144,13 @@ def load_snapshot(
     if not os.path.exists(path):
         return 0, 0, 0.0
     try:
-        snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # never runs code
+        snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # runs no code in the file
         ran = snapshot.get("run", run)
         differs = [f"{k} {ran.get(k)}, not {v}" for k, v in run.items() if ran.get(k) != v]
         if differs:
             raise ValueError(f"it holds another run ({'; '.join(differs)}): give each its own path")
         model.load_state_dict(snapshot["model"])
-        for group in snapshot["optimizer"]["param_groups"]:  # fused AdamW on GPUs only
+        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW: fused on GPUs
             group.update(fused=optimizer.defaults["fused"], foreach=None)
         optimizer.load_state_dict(snapshot["optimizer"])
     except Exception as e:
@@ -199,7 +200,7 @@ class Trainer:
         except ValueError as e:
             sys.exit(f"error: {e}")
         self.train_model = model
-        if args.compile:  # CUDA graphs replay a step whole: not when micro-batches add up
+        if args.compile:  # CUDA graphs would overwrite gradients that micro-batches add up
             mode = "reduce-overhead" if args.grad_accum == 1 else None
             self.train_model = torch.compile(self.train_model, mode=mode)
 
@@ -218,7 +219,7 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # Over the global batch: the mean gradient, however micro-batches and ranks split it.
+        # Divided by the global batch: the mean gradient, however micro-batches and ranks split it.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
@@ -272,17 +273,17 @@ class Trainer:
             print(f"{self.args.snapshot_path}: resumed after epoch {epoch}{where}, {left} to go")
         began, skipped = time.perf_counter(), samples
         while epoch < self.args.total_epochs:
-            val_batches = iter(self.val_data)  # its workers load while the epoch trains
+            val_batches = iter(self.val_data)  # its workers load batches while the epoch trains
             loss, samples, stopped = self._run_epoch(epoch, samples)
             correct = evaluate(self.model, val_batches, self.device) if stopped == 0 else 0
             evaluated = len(self.val_data.dataset)
             loss_sum += float(loss)
-            if not math.isfinite(loss_sum):  # NaN or infinite: so are the weights, never saved
+            if not math.isfinite(loss_sum):  # NaN or infinite: so are the weights; never save them
                 return self._diverged(epoch, loss_sum)
             if stopped != 0:  # a stop signal, or a save due inside the epoch (None)
                 if not self._save_snapshot(epoch, int(samples), loss_sum):
                     return 1
-                if stopped is None:  # the epoch goes on from there
+                if stopped is None:  # a periodic save: the epoch goes on
                     continue
                 if self.global_rank == 0:
                     where = f"in epoch {epoch + 1} after {int(samples)} samples"
@@ -328,7 +329,8 @@ def prepare_dataloaders(
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
     load.update(worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
-    # BatchNorm cannot train on one sample: no last batch of one, unless it is the only one.
+    # BatchNorm cannot train on a batch of one sample: such a last batch is dropped, unless it is
+    # the only one.
     one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
@@ -343,15 +345,15 @@ def main(args: argparse.Namespace) -> int:
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
-    except ValueError as e:  # bad input: one line, then the job ends
+    except ValueError as e:  # bad input: one error line, then the job ends
         sys.exit(f"error: {e}")
     device = setup()
     if args.deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS needs it
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS needs this to be deterministic
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not args.deterministic
     model.to(device)
-    # The settings that decide the result: a snapshot of a run with others is refused.
+    # The settings that decide the result: a snapshot from a run with other settings is refused.
     run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
     run.update(data=[classes, len(train_set), len(val_set), args.image_size])
     run["batch"] = args.batch_size * args.grad_accum
@@ -359,7 +361,7 @@ def main(args: argparse.Namespace) -> int:
     trainer = Trainer(model, train_data, val_data, device, args, run)
     try:
         return trainer.train()
-    except Exception:  # printed here, so that its loader workers end now, not at exit
+    except Exception:  # printed now, so its loader workers end now, not at exit
         traceback.print_exc()
         return 1
 
