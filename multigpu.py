@@ -457,7 +457,7 @@ if __name__ == "__main__":
     port.bind(("localhost", 0))
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port.getsockname()[1]))
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(args.world_size)  # as torchrun
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the ranks get Ctrl-C from the terminal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the ranks act on Ctrl-C: they stop and save
     ranks = torch.multiprocessing.spawn(main, args=(args,), nprocs=args.world_size, join=False)
 
     def pass_on(signum: int, frame: object) -> None:  # Kubernetes signals only the launcher
