@@ -99,11 +99,8 @@ def own_output(output: str) -> str:
     )
 
 
-RESUMED_ON_THE_CLOCK = (
-    "single_gpu",
-    "multinode",
-    "fsdp",
-)  # the others save alike: multinode's lines
+# The stages whose save on the clock is resumed too; the others save with multinode.py's lines.
+RESUMED_ON_THE_CLOCK = ("single_gpu", "multinode", "fsdp")
 
 RESTARTS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # what --max-restarts needs (README)
 
