@@ -132,7 +132,9 @@ def test_ranks_that_load_different_files_stop_at_once(runs):
     cwd, run = runs["apart"]  # node 1's snapshot is unreadable
     assert run.returncode != 0 and run.output.count("error: ") == 1, run.output
     assert "different snapshots" in run.output and "Epoch" not in run.output, run.output
-    assert run.seconds < 60, run.output
+    # Two nodes' start on a loaded machine takes up to a minute or so; a rank that waited for
+    # another would wait for the process group's timeout, 30 minutes with gloo.
+    assert run.seconds < 120, run.output
 
 
 @pytest.mark.parametrize("stage", ["single_gpu", "multinode"])  # multigpu.py: as multinode.py
