@@ -8,6 +8,7 @@ resumes it. The README's table gives every flag with its default.
 import argparse
 import atexit
 import contextlib
+import hashlib
 import itertools
 import math
 import os
@@ -17,6 +18,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, Te
 # warning that the time limit is near; Windows has none).
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
 stop_signals: list[int] = []
+# A collective that waits this long for a rank (stopped, or hung in a read) fails: the job ends.
+TIMEOUT = timedelta(minutes=5)
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
@@ -56,7 +60,8 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     # CPU set: an srun task that Slurm binds to its own cores (task/affinity) may use only those.
     node = int(os.environ.get("SLURM_CPUS_ON_NODE", cores))
     torch.set_num_threads(max(1, min(cores, node // local_world_size)))
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # it dies when its launcher dies
+    # If its launcher dies (killed, or ended by a signal it does not handle), it stops and saves.
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGTERM)
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL needs a GPU of its own for each process
         error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
@@ -66,7 +71,8 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # float32 matmuls use the faster TF32 cores
     backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, gloo for CPUs
-    dist.init_process_group(backend, rank=global_rank, device_id=device if gpus else None)
+    device_id = device if gpus else None
+    dist.init_process_group(backend, rank=global_rank, device_id=device_id, timeout=TIMEOUT)
     return device
 
 
@@ -153,9 +159,12 @@ def load_snapshot(
 ) -> tuple:
     """Loads the snapshot, if there is one, into the model and optimizer. Returns where to
     resume: the epochs done, then the samples trained and their loss sum in the next one."""
-    sizes = [None] * dist.get_world_size()  # every rank must see the same file, or none
-    dist.all_gather_object(sizes, os.path.getsize(path) if os.path.exists(path) else None)
-    if sizes != [sizes[0]] * len(sizes):
+    digest = None  # the file's content: a copy of another epoch can have the same size
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    digests = [None] * dist.get_world_size()  # every rank must load the same file, or none
+    dist.all_gather_object(digests, digest)
+    if digests != [digests[0]] * len(digests):
         raise ValueError(f"ranks resume from different snapshots: share {path}")
     if not os.path.exists(path):
         return 0, 0, 0.0
@@ -211,13 +220,17 @@ class Trainer:
         self.global_rank = dist.get_rank()
         self.save_at = time.monotonic() + 60 * (args.save_minutes or math.inf)
         self.unsaved_steps = 0
+        # Whether the loss is still finite: copied from the GPU as it runs, and read a step later.
+        self.finite = torch.ones((), dtype=torch.bool, pin_memory=device.type == "cuda")
         try:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         except ValueError as e:
             dist.destroy_process_group()
             sys.exit(f"error: {e}" if self.global_rank == 0 else 1)
-        self.cpu_group = dist.new_group(backend="gloo")  # CPU tensors: a read never waits
-        self.stop = torch.tensor([0, 0])  # a stop signal, and whether a save is due
+        self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)  # CPU tensors: no GPU wait
+        # The others wait for rank 0's write in a group of their own, for up to 30 minutes.
+        self.save_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+        self.stop = torch.tensor([0, 0, 0])  # a stop signal, a save due, a loss that is not finite
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
         self.train_model = model
         if args.compile:  # CUDA graphs would overwrite gradients that micro-batches add up
@@ -231,9 +244,10 @@ class Trainer:
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            saved = save_snapshot(self.args.snapshot_path, snapshot)
+            finite = self._finite(snapshot, epoch)
+            saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
         done = torch.tensor(int(saved))
-        dist.all_reduce(done, dist.ReduceOp.MIN, self.cpu_group)  # the others wait for the write
+        dist.all_reduce(done, dist.ReduceOp.MIN, self.save_group)  # the others wait for the write
         self.save_at = time.monotonic() + 60 * (self.args.save_minutes or math.inf)
         self.unsaved_steps = 0
         self.vote.wait()  # a vote cast before this save would ask for another
@@ -284,11 +298,12 @@ class Trainer:
             self._update(epoch * updates + step // self.args.grad_accum, updates)
             # Stop or save together (one rank alone would hang the others), as agreed a step later.
             self.vote.wait()
-            stopped, due = self.stop.tolist()
+            stopped, due, diverged = self.stop.tolist()
             due_now = time.monotonic() > self.save_at
-            self.stop = torch.tensor([max(stop_signals, default=0), due_now])
+            self.stop = torch.tensor([max(stop_signals, default=0), due_now, not self.finite])
+            self.finite.copy_(loss_sum.isfinite(), non_blocking=True)
             self.vote = dist.all_reduce(self.stop, dist.ReduceOp.MAX, self.cpu_group, async_op=True)
-            if stopped or due:
+            if stopped or due or diverged:
                 samples = min(len(sampler), (step + 1) * self.args.batch_size)
                 return loss_sum, samples, stopped or None
             if self.global_rank == 0 and time.monotonic() > report:
@@ -313,8 +328,8 @@ class Trainer:
             dist.all_reduce(figures, group=self.cpu_group)  # summed over the ranks
             loss, samples, correct, evaluated = figures.tolist()
             loss_sum += loss
-            if not math.isfinite(loss_sum):  # NaN or infinite: so are the weights; never save them
-                return self._diverged(epoch, loss_sum)
+            if not math.isfinite(loss_sum):
+                return self._diverged(epoch, "the loss")
             if stopped != 0:  # a stop signal, or a save due inside the epoch (None)
                 if not self._save_snapshot(epoch, int(samples), loss_sum):
                     return 1
@@ -336,10 +351,20 @@ class Trainer:
             began, skipped = time.perf_counter(), 0
         return 0
 
-    def _diverged(self, epoch: int, loss_sum: float) -> int:
+    def _finite(self, snapshot: dict, epoch: int) -> bool:
+        """Whether every weight and AdamW moment in the snapshot is finite. The last update before
+        a save comes after the last loss that was checked, and can make them NaN."""
+        moments = [t for state in snapshot["optimizer"]["state"].values() for t in state.values()]
+        if all(t.isfinite().all() for t in [*snapshot["model"].values(), *moments]):
+            return True
+        self._diverged(epoch, "a weight")
+        return False
+
+    def _diverged(self, epoch: int, what: str) -> int:
         if self.global_rank == 0:
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
-            print(f"error: the loss is {loss_sum} in epoch {epoch + 1}, {since}", file=sys.stderr)
+            error = f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}"
+            print(error, file=sys.stderr)
         return 1
 
 
@@ -349,7 +374,7 @@ def evaluate(model: nn.Module, val_batches: Iterator, device: torch.device) -> t
     correct = torch.zeros((), dtype=torch.int64, device=device)
     for source, targets in val_batches:
         outputs = model(source.to(device, non_blocking=True))
-        correct += (outputs.argmax(1) == targets.to(device)).sum()
+        correct += (outputs.argmax(1) == targets.to(device, non_blocking=True)).sum()
     return correct
 
 
@@ -402,9 +427,13 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     trainer = Trainer(model, train_data, val_data, device, args, run)
     try:
         code = trainer.train()
-    except Exception:  # printed now, so its loader workers end now, not at exit
-        traceback.print_exc()
-        code = 1
+    except Exception as e:  # a rank died or stopped answering, or another fault that may pass
+        if "Timed out" in str(e):  # what gloo says after TIMEOUT
+            waited = f"{TIMEOUT.total_seconds() / 60:g} minutes"
+            print(f"error: rank {global_rank} waited {waited} for a rank that stopped answering")
+        else:
+            traceback.print_exc()
+        code = 75  # EX_TEMPFAIL: a retry may succeed
     del trainer, train_data, val_data  # the loader workers end before the exit functions run
     dist.destroy_process_group()
     atexit._run_exitfuncs()  # a user's atexit handlers run, but not Python's slow teardown:

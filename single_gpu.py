@@ -195,6 +195,8 @@ class Trainer:
         self.global_rank = 0
         self.save_at = time.monotonic() + 60 * (args.save_minutes or math.inf)
         self.unsaved_steps = 0
+        # Whether the loss is still finite: copied from the GPU as it runs, and read a step later.
+        self.finite = torch.ones((), dtype=torch.bool, pin_memory=device.type == "cuda")
         try:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         except ValueError as e:
@@ -209,7 +211,8 @@ class Trainer:
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            saved = save_snapshot(self.args.snapshot_path, snapshot)
+            finite = self._finite(snapshot, epoch)
+            saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
         self.save_at = time.monotonic() + 60 * (self.args.save_minutes or math.inf)
         self.unsaved_steps = 0
         return saved
@@ -256,7 +259,9 @@ class Trainer:
             self._update(epoch * updates + step // self.args.grad_accum, updates)
             stopped = max(stop_signals, default=0)
             due = time.monotonic() > self.save_at
-            if stopped or due:
+            diverged = not self.finite
+            self.finite.copy_(loss_sum.isfinite(), non_blocking=True)
+            if stopped or due or diverged:
                 samples = min(len(sampler), (step + 1) * self.args.batch_size)
                 return loss_sum, samples, stopped or None
             if self.global_rank == 0 and time.monotonic() > report:
@@ -278,8 +283,8 @@ class Trainer:
             correct = evaluate(self.model, val_batches, self.device) if stopped == 0 else 0
             evaluated = len(self.val_data.dataset)
             loss_sum += float(loss)
-            if not math.isfinite(loss_sum):  # NaN or infinite: so are the weights; never save them
-                return self._diverged(epoch, loss_sum)
+            if not math.isfinite(loss_sum):
+                return self._diverged(epoch, "the loss")
             if stopped != 0:  # a stop signal, or a save due inside the epoch (None)
                 if not self._save_snapshot(epoch, int(samples), loss_sum):
                     return 1
@@ -301,10 +306,20 @@ class Trainer:
             began, skipped = time.perf_counter(), 0
         return 0
 
-    def _diverged(self, epoch: int, loss_sum: float) -> int:
+    def _finite(self, snapshot: dict, epoch: int) -> bool:
+        """Whether every weight and AdamW moment in the snapshot is finite. The last update before
+        a save comes after the last loss that was checked, and can make them NaN."""
+        moments = [t for state in snapshot["optimizer"]["state"].values() for t in state.values()]
+        if all(t.isfinite().all() for t in [*snapshot["model"].values(), *moments]):
+            return True
+        self._diverged(epoch, "a weight")
+        return False
+
+    def _diverged(self, epoch: int, what: str) -> int:
         if self.global_rank == 0:
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
-            print(f"error: the loss is {loss_sum} in epoch {epoch + 1}, {since}", file=sys.stderr)
+            error = f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}"
+            print(error, file=sys.stderr)
         return 1
 
 
@@ -314,7 +329,7 @@ def evaluate(model: nn.Module, val_batches: Iterator, device: torch.device) -> t
     correct = torch.zeros((), dtype=torch.int64, device=device)
     for source, targets in val_batches:
         outputs = model(source.to(device, non_blocking=True))
-        correct += (outputs.argmax(1) == targets.to(device)).sum()
+        correct += (outputs.argmax(1) == targets.to(device, non_blocking=True)).sum()
     return correct
 
 
@@ -361,9 +376,9 @@ def main(args: argparse.Namespace) -> int:
     trainer = Trainer(model, train_data, val_data, device, args, run)
     try:
         return trainer.train()
-    except Exception:  # printed now, so its loader workers end now, not at exit
+    except Exception:  # a fault that may pass: exit code 75 (EX_TEMPFAIL) asks for a retry
         traceback.print_exc()
-        return 1
+        return 75
 
 
 def natural(text: str, least: int = 0) -> int:

@@ -35,6 +35,10 @@ themselves carry no test hooks:
   FAULT_STEP_NAN=N                after its N-th optimizer step, every process sets its weights
                                   to NaN (a run that diverged)
   FAULT_SIGNAL_RANK=R             FAULT_SIGNAL's rank: R, not 0 (one node's processes signalled)
+  FAULT_TIMEOUT_SCALE=F           every process group's timeout, as the stage asks for it, times F
+                                  (a hang found in seconds, not minutes)
+  FAULT_HANG_AT=RANK:STEP         after its STEP-th optimizer step, that rank stops itself with
+                                  SIGSTOP (a read that never returns); with FAULT_ONCE, only once
 """
 
 import os
@@ -199,6 +203,43 @@ if os.environ.get("FAULT_STEP_NAN"):
                         param.fill_(float("nan"))
 
     register_optimizer_step_post_hook(_nan_after_step)
+
+if os.environ.get("FAULT_TIMEOUT_SCALE"):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    def _scaled(function):
+        def scaled(*args, timeout: timedelta, **kwargs):
+            return function(
+                *args, timeout=timeout * float(os.environ["FAULT_TIMEOUT_SCALE"]), **kwargs
+            )
+
+        return scaled
+
+    dist.init_process_group = _scaled(dist.init_process_group)
+    dist.new_group = _scaled(dist.new_group)
+
+if os.environ.get("FAULT_HANG_AT"):
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _hang_rank, _hang_step = map(int, os.environ["FAULT_HANG_AT"].split(":"))
+    _hang_steps = [0]
+
+    def _hang_after_step(*_) -> None:
+        import torch.distributed as dist
+
+        _hang_steps[0] += 1
+        marker = os.environ.get("FAULT_ONCE", "")
+        done = marker and os.path.exists(marker)
+        if dist.get_rank() == _hang_rank and _hang_steps[0] == _hang_step and not done:
+            if marker:
+                open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    register_optimizer_step_post_hook(_hang_after_step)
 
 HOOKS = ("FAULT_AT", "SAVE_KILL_AT", "KEEP_SNAPSHOTS", "RECORD_DIR", "FAULT_SAVE")
 if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIGNAL"):
