@@ -1,7 +1,10 @@
 """Shared helpers: launch a stage as a user would (CPU + gloo), read its log and its snapshots.
 
-Every launch of the session is queued at its start in one pool (the `runs` fixture), so that runs
-share the two cores while the tests read their results; see tests/README.md.
+Every launch of the default suite is defined in one pool (the `runs` fixture). A session of the
+whole suite starts them all as it starts, so that runs share the two cores while the tests read
+their results; the floor suite (-m floor) starts only the runs its tests read (FLOOR_RUNS). When
+the user picks tests by name (-k, or FILE::TEST), a run starts only when a selected test reads it.
+See tests/README.md.
 """
 
 import contextlib
@@ -256,25 +259,24 @@ def end_processes_in(folder: Path) -> None:
 class Runs:
     """Launches that run side by side: one run alone leaves a core idle much of the time
     (imports, rendezvous), and the results do not depend on the load (the arithmetic is
-    deterministic). At most `per_core` a core at once, in the order started. A run that starts from
-    another's files starts as soon as that one ends, ahead of the queue. runs[name] waits for it."""
+    deterministic). submit() and start() only define a run. runs[name] starts it unless it has
+    started, then waits for it; prefetch() starts every run defined, in the order defined, so that
+    the runs share the cores while the tests read them. At most `per_core` a core at once, in the
+    order started. A run that starts from another's files starts that one first, and runs as soon
+    as that one ends, ahead of the queue."""
 
     def __init__(self, per_core: float = 3) -> None:
         self.pool = ThreadPoolExecutor(max_workers=64)  # a thread per run: most wait for a process
         self.slots = threading.Semaphore(max(1, int(per_core * (os.cpu_count() or 1))))
-        self.futures = {}
+        self.jobs = {}  # name: (job, after), in the order defined
+        self.futures = {}  # name: its future, for the runs started
+        self.lock = threading.RLock()  # a test and a run that waits for another may start one
 
     def submit(self, name: str, job, after: str | None = None) -> None:
-        """job() runs in the pool, holding a slot unless it waits for the run named `after`."""
-        assert after is None or after in self.futures, f"start {after} before {name}"
-
-        def run():
-            if after:
-                self[after]
-            with self.slots if after is None else contextlib.nullcontext():
-                return job()
-
-        self.futures[name] = self.pool.submit(run)
+        """Define a run: job() will run in the pool, holding a slot unless it waits for the run
+        named `after`."""
+        assert after is None or after in self.jobs, f"define {after} before {name}"
+        self.jobs[name] = job, after
 
     def start(self, name: str, cwd: Path, after: str | None = None, prepare=None, **launch_args):
         def job() -> tuple:
@@ -284,12 +286,44 @@ class Runs:
 
         self.submit(name, job, after)
 
+    def started(self, name: str):
+        """The run's future; the run (and first the one it starts after) starts unless it has."""
+        with self.lock:
+            if name not in self.futures:
+                job, after = self.jobs[name]
+                if after:
+                    self.started(after)
+                self.futures[name] = self.pool.submit(self.run, job, after)
+            return self.futures[name]
+
+    def run(self, job, after: str | None):
+        if after:
+            self[after]
+        with self.slots if after is None else contextlib.nullcontext():
+            return job()
+
+    def prefetch(self, names=None) -> None:
+        """Start every run defined, or those named, in the order defined."""
+        assert names is None or set(names) <= self.jobs.keys(), set(names) - self.jobs.keys()
+        for name in self.jobs:
+            if names is None or name in names:
+                self.started(name)
+
     def __getitem__(self, name: str):
-        return self.futures[name].result()
+        return self.started(name).result()
 
     def wait_all(self) -> None:
-        for future in list(self.futures.values()):
+        """Wait for every run started; one not started stays so."""
+        with self.lock:
+            futures = list(self.futures.values())
+        for future in futures:
             future.exception()
+
+
+def narrowed(config) -> bool:
+    """Whether the user picked tests by name (-k, or a node id such as FILE::TEST): then only the
+    runs those tests read start, as they read them."""
+    return bool(config.option.keyword) or any("::" in arg for arg in config.args)
 
 
 def global_batch_args(stage: str) -> list:
@@ -494,8 +528,10 @@ def run_readme_commands(cwd: Path) -> list[tuple[str, Run]]:
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """Every launch of the session, queued at its start: {name: (folder, Run)} (see Runs).
+def runs(request, tmp_path_factory):
+    """Every launch of the default suite, defined here: {name: (folder, Run)} (see Runs). They start
+    as the session starts, in this order (the floor suite: FLOOR_RUNS alone), unless the user
+    picked tests by name (`narrowed`).
 
     reference-STAGE: each stage trains EPOCHS epochs at global batch 64, seed 0, keeping its
     snapshot after every epoch; the learning, same-model, resume, elastic and shard tests share
@@ -663,34 +699,97 @@ def runs(tmp_path_factory):
     runs.start("bad-snapshot", cwd, stage="multigpu", args=[2, 1])
     args = [2, 1, "--data_dir", "missing"]
     runs.start("bad-data_dir", folder("bad-data_dir"), stage="multigpu", args=args)
+    if not narrowed(request.config):  # the floor's tests read only FLOOR_RUNS
+        floor = all(item.get_closest_marker("floor") for item in request.session.items)
+        runs.prefetch(FLOOR_RUNS if floor else None)
     yield runs
     runs.pool.shutdown()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def slow_runs(request, tmp_path_factory):
-    """The slow suite's launches: each module with a selected slow test queues its own
-    (`queue_slow_runs`) as the session starts, so that they share the cores with the Slurm jobs.
-    1.5 a core: the stops they time must not wait long for a core. {name: result} (see Runs)."""
+    """The slow suite's launches: each module with a selected slow test defines its own
+    (`queue_slow_runs`), and they start as the session starts, so that they share the cores with
+    the Slurm jobs, unless the user picked tests by name (`narrowed`). 1.5 a core: the stops they
+    time must not wait long for a core. {name: result} (see Runs)."""
     runs = Runs(per_core=1.5)
     modules = {item.module for item in request.session.items if item.get_closest_marker("slow")}
     for module in sorted(modules, key=lambda m: (m.__name__ != "test_slurm", m.__name__)):
         if hasattr(module, "queue_slow_runs"):
             module.queue_slow_runs(runs, tmp_path_factory.mktemp(module.__name__))
+    if not narrowed(request.config):
+        runs.prefetch()
     yield runs
     runs.pool.shutdown(cancel_futures=True)
 
 
+# The floor suite (tests/floor.sh: -m floor, on the oldest torch that requirements.txt allows):
+# the tests whose outcome depends on torch's version, as they run the stages' distributed
+# machinery (DDP and its accumulation, FSDP, torchrun's restarts, a resume in another stage, the
+# exit path). A test named alone is marked in all its cases. FLOOR_RUNS: the runs they read, which
+# start side by side as such a session starts; a run they read that is not listed would start
+# only when read, alone.
+FLOOR_TESTS = {
+    # test_stages.py
+    "test_learns_and_logs_global_figures",
+    "test_learning_rate_decays_to_zero_alike_in_every_stage",
+    "test_same_model_at_every_scale",
+    "test_gradient_accumulation_gives_the_same_model[accumulate]",
+    "test_gradient_accumulation_gives_the_same_model[accumulate-fsdp]",
+    "test_bf16_learns",
+    "test_snapshot_is_plain_and_loads_safely",
+    "test_each_epoch_trains_in_a_new_order",
+    "test_ranks_see_disjoint_shards",
+    "test_elastic_restart_resumes_exactly",
+    "test_snapshot_resumes_in_another_stage",
+    "test_distributed_stage_trains_on_an_image_folder",
+    "test_a_long_epoch_says_how_far_it_is",
+    "test_each_rank_and_step_draws_its_own_dropout",
+    "test_flags_as_the_walkthroughs_write_them",
+    "test_the_legacy_launcher_trains",
+    "test_nodes_meet_at_an_ipv6_endpoint",
+    "test_fsdp_says_its_units",
+    "test_fsdp_groups_the_repeated_blocks_into_a_few_units",
+    "test_fsdp_keeps_every_buffer",
+    "test_fsdp_accumulates_gradients_at_a_ranks_share",
+    "test_fsdp_trains_a_batchnorm_model_in_bf16",
+    "test_fsdp_cuts_a_block_into_parts_it_calls",
+    "test_fsdp_evaluates_every_held_out_image_once",
+    # test_faults.py
+    "test_a_dead_rank_ends_the_job[torchrun-raise]",
+    "test_the_launchers_port_stays_its_own",
+    "test_user_exit_code_runs_in_every_process",
+    "test_loader_workers_end_before_the_exit_functions",
+    "test_an_error_in_a_step_ends_the_loader_workers_at_once",
+    "test_a_crash_without_a_signal_costs_minutes_and_a_diverged_run_is_never_saved[fsdp]",
+    "test_gradients_are_clipped_by_the_global_norm_of_the_step[multigpu_torchrun]",
+    "test_gradients_are_clipped_by_the_global_norm_of_the_step[fsdp]",
+}
+FLOOR_RUNS = {
+    *(f"reference-{stage}" for stage in STAGES),
+    *("accumulate", "accumulate-fsdp", "elastic-multigpu_torchrun", "elastic-multinode"),
+    *("cross", "cross-fsdp", "exit-single_gpu", "exit-multigpu", "exit-multinode"),
+    *("error-single_gpu", "torchrun-raise", "periodic-fsdp", "periodic-resume-fsdp"),
+    *("clip-single_gpu", "clip-multigpu_torchrun", "clip-fsdp"),
+}
+
+
 def pytest_collection_modifyitems(items):
-    """The Slurm tests first (their jobs run one after another: the longest chain); last, once
-    every other launch has ended, the time-limit jobs and then the speed measures."""
+    """The floor tests marked `floor`. The Slurm tests first (their jobs run one after another:
+    the longest chain); last, once every other launch has ended, the time-limit jobs and then the
+    speed measures."""
+    for item in items:
+        if item.name in FLOOR_TESTS or item.originalname in FLOOR_TESTS:
+            item.add_marker("floor")
     items.sort(key=lambda item: (item.get_closest_marker("quiet") is not None,
                                  item.module.__name__ != "test_slurm"))  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def reference_runs(runs) -> dict:
-    """{stage: (folder, Run)} of the four reference runs."""
+    """{stage: (folder, Run)} of the five reference runs."""
+    for stage in STAGES:  # side by side, also where runs start only as the tests read them
+        runs.started(f"reference-{stage}")
     for stage in STAGES:
         assert runs[f"reference-{stage}"][1].returncode == 0, runs[f"reference-{stage}"][1].output
     return {stage: runs[f"reference-{stage}"] for stage in STAGES}
