@@ -27,11 +27,14 @@ port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}  # one per job, so two jobs
 # NCCL_DEBUG=INFO shows how NCCL connects the nodes; useful when a job hangs at start.
 # Restarted workers must not meet the dead ones' addresses in torchrun's shared store (pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# Stopped by a signal, torchrun gives its workers this long to save before it kills them (30 s by default).
+# Stopped by a signal, torchrun gives its workers this long to save before it kills them (30 s by default). It
+# passes on SIGUSR1 too, as --signals-to-handle below asks: a time-limit warning sent to the job's steps.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
 srun --label hostname  # which nodes the job spans
-# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
-# saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
+# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM or USR1), the
+# run saves where it stands and torchrun exits with an error; then this job requeues itself and resumes there. One
+# log. An error line from the run (bad input, a diverged run, a snapshot that cannot be read or written) would come
+# again: the run then ends torchrun at once (exit status 137), and the job ends without a requeue.
 snapshot=${SNAPSHOT:-multinode.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
 args=("$@")
 for i in "${!args[@]}"; do
@@ -49,11 +52,16 @@ trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of th
 trap 'ended=1' TERM  # Slurm ends the job (scancel, a preemption): the run stops and saves; so does this
 status=0
 srun --kill-on-bad-exit=1 torchrun --nnodes="$SLURM_NNODES" --nproc_per_node="$nproc" --max-restarts=3 \
+    --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" \
     multinode.py --snapshot_path "$snapshot" "$@" &
 wait $! || wait $! || status=$?  # again when a trap interrupted the first wait: the run's own status
 if [ -n "${ended:-}" ]; then
     echo "Ended by Slurm (SIGTERM to the job), its progress saved in $snapshot: submit it again to go on"
+    exit "$status"
+fi
+if [ "$status" -eq 137 ]; then  # torchrun ended by the run itself, after an error line
+    echo "Ended on an error that a new start would meet again (above): not requeued"
     exit "$status"
 fi
 if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error

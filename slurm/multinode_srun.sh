@@ -28,8 +28,10 @@ export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 # Several network interfaces? Name the one the nodes share: export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0
 # NCCL_DEBUG=INFO shows how NCCL connects the nodes; useful when a job hangs at start.
 srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --label hostname  # which nodes the job spans
-# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
-# saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
+# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM or USR1), the
+# run saves where it stands and exits with 128 + the signal; then this job requeues itself and resumes there. One
+# log. Exit code 1 or 2 (one error line: bad input, a diverged run, a snapshot that cannot be read or written) would
+# come again: the job ends without a requeue. Exit code 75 (a fault that may pass) requeues it if it saved.
 snapshot=${SNAPSHOT:-multinode.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
 args=("$@")
 for i in "${!args[@]}"; do
@@ -50,6 +52,10 @@ srun --kill-on-bad-exit=1 python multinode.py --snapshot_path "$snapshot" "$@" &
 wait $! || wait $! || status=$?  # again when a trap interrupted the first wait: the run's own status
 if [ -n "${ended:-}" ]; then
     echo "Ended by Slurm (SIGTERM to the job), its progress saved in $snapshot: submit it again to go on"
+    exit "$status"
+fi
+if [ "$status" -eq 1 ] || [ "$status" -eq 2 ]; then  # an error line from the run
+    echo "Ended on an error that a new start would meet again (above): not requeued"
     exit "$status"
 fi
 if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error

@@ -15,8 +15,10 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 set -- --total_epochs 50 --save_every 10 "$@"  # the default 50 10: your arguments come after and win
-# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM), the run
-# saves where it stands and exits with an error; then this job requeues itself and resumes there. One log.
+# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM or USR1), the
+# run saves where it stands and exits with 128 + the signal; then this job requeues itself and resumes there. One
+# log. Exit code 1 or 2 (one error line: bad input, a diverged run, a snapshot that cannot be read or written) would
+# come again: the job ends without a requeue. Exit code 75 (a fault that may pass) requeues it if it saved.
 snapshot=${SNAPSHOT:-single_gpu.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
 args=("$@")
 for i in "${!args[@]}"; do
@@ -37,6 +39,10 @@ srun python single_gpu.py --snapshot_path "$snapshot" "$@" &
 wait $! || wait $! || status=$?  # again when a trap interrupted the first wait: the run's own status
 if [ -n "${ended:-}" ]; then
     echo "Ended by Slurm (SIGTERM to the job), its progress saved in $snapshot: submit it again to go on"
+    exit "$status"
+fi
+if [ "$status" -eq 1 ] || [ "$status" -eq 2 ]; then  # an error line from the run
+    echo "Ended on an error that a new start would meet again (above): not requeued"
     exit "$status"
 fi
 if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
