@@ -211,7 +211,7 @@ class Trainer:
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            finite = self._finite(snapshot, epoch)
+            finite = self._finite(snapshot, epoch if samples else epoch - 1)  # the epoch it ran
             saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
         self.save_at = time.monotonic() + 60 * (self.args.save_minutes or math.inf)
         self.unsaved_steps = 0

@@ -102,6 +102,22 @@ def own_output(output: str) -> str:
     )
 
 
+# NaN weights in the last update before a save, in one process, two nodes and FSDP, as 3 epochs
+# of 10 steps run (global batch 64): an epoch's end (after step 20: epoch 1 kept); a save on the
+# clock (a minute, 25 s a step: after step 6, or after step 8 where the ranks agree a step late);
+# a stop signal (after step 15, saved after step 16 where the ranks agree a step late); and a NaN
+# loss far from any save (after step 3, --save_minutes 0: epoch 1 never ends).
+DIVERGED = {}
+for _stage in ("single_gpu", "multinode", "fsdp"):
+    _late = int(_stage != "single_gpu")  # the step the ranks' vote adds
+    DIVERGED[_stage, "epoch"] = {"FAULT_STEP_NAN": "20"}
+    DIVERGED[_stage, "clock"] = {"FAULT_STEP_NAN": str(6 + 2 * _late), "FAULT_STEP_CLOCK": "25"}
+    DIVERGED[_stage, "stop"] = {
+        "FAULT_STEP_NAN": str(15 + _late),
+        "FAULT_SIGNAL": "SIGTERM:step:15",
+    }
+    DIVERGED[_stage, "loss"] = {"FAULT_STEP_NAN": "3"}
+
 # The stages whose save on the clock is resumed too; the others save with multinode.py's lines.
 RESUMED_ON_THE_CLOCK = ("single_gpu", "multinode", "fsdp")
 
@@ -699,6 +715,46 @@ def runs(request, tmp_path_factory):
     runs.start("bad-snapshot", cwd, stage="multigpu", args=[2, 1])
     args = [2, 1, "--data_dir", "missing"]
     runs.start("bad-data_dir", folder("bad-data_dir"), stage="multigpu", args=args)
+    # A bad flag under torchrun --max-restarts, on two nodes: rank 0 alone says so, and the job
+    # ends without a restart.
+    restart = ("--max-restarts=1",)
+    args = [2, 1, "--lr", "-1"]
+    env = stage_env(**RESTARTS_ENV)
+    runs.start("bad-flag", folder("bad-flag"), stage="multinode", args=args, env=env,
+               torchrun_args=restart)  # fmt: skip
+    # The weights turn NaN in the last update before a save: at an epoch's end, on the clock, at a
+    # stop; and a NaN loss far from any save; under --max-restarts (test_faults.py, DIVERGED).
+    for (stage, case), faults in DIVERGED.items():
+        args = [3, 1, *global_batch_args(stage), "--save_minutes", 1 if case == "clock" else 0]
+        env = stage_env(**faults, **RESTARTS_ENV)
+        name = f"nan-{case}-{stage}"
+        runs.start(name, folder(name), stage=stage, args=args, env=env, torchrun_args=restart)
+    # Two nodes whose snapshots have the same size and another content (a stale copy).
+    nodes = folder("stale0"), folder("stale1")
+    write_snapshot(nodes[0] / "snapshot.pt", epoch=2)
+    stale = bytearray((nodes[0] / "snapshot.pt").read_bytes())
+    stale[len(stale) // 2] ^= 1  # a bit of a weight
+    (nodes[1] / "snapshot.pt").write_bytes(stale)
+    runs.start("stale", nodes[0], stage="multinode", args=[4, 1], node_cwds=nodes)
+    # Rank 1 stops answering after step 15 (SIGSTOP), once; every timeout a tenth (30 s, and
+    # 3 minutes for a save): torchrun --max-restarts=1 restarts the job (test_faults.py).
+    cwd = folder("hung")
+    hang = {"FAULT_HANG_AT": "1:15", "FAULT_ONCE": str(cwd / "hung"), "FAULT_TIMEOUT_SCALE": "0.1"}
+    args = [EPOCHS, 1, *global_batch_args("multigpu_torchrun")]
+    env = stage_env(**hang, **RESTARTS_ENV)
+    runs.start("hung", cwd, stage="multigpu_torchrun", args=args, env=env, torchrun_args=restart)
+    # A save that takes 45 s, longer than a training collective may wait (the same tenth: 30 s).
+    env = stage_env(FAULT_SAVE="slow:45", FAULT_TIMEOUT_SCALE="0.1")
+    runs.start("slow-save", folder("slow-save"), stage="multigpu", args=[1, 1], env=env)
+    # A stop signal to rank 1 alone under --max-restarts: the job stops, saved, without a restart;
+    # the same command again ends on the uninterrupted model.
+    cwd = folder("stop-restarts")
+    env = stage_env(FAULT_SIGNAL="SIGTERM:step:13", FAULT_SIGNAL_RANK="1", **RESTARTS_ENV)
+    args = [EPOCHS, 1, *global_batch_args("multigpu_torchrun")]
+    runs.start("stop-restarts", cwd, stage="multigpu_torchrun", args=args, env=env,
+               torchrun_args=restart)  # fmt: skip
+    runs.start("stop-restarts-resume", cwd, after="stop-restarts", stage="multigpu_torchrun",
+               args=args)  # fmt: skip
     if not narrowed(request.config):  # the floor's tests read only FLOOR_RUNS
         floor = all(item.get_closest_marker("floor") for item in request.session.items)
         runs.prefetch(FLOOR_RUNS if floor else None)

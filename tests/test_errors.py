@@ -1,6 +1,7 @@
 """Bad input gets one clear line and a non-zero exit, never a traceback, and leaves an existing
 snapshot untouched."""
 
+import atexit
 import contextlib
 import io
 import runpy
@@ -10,7 +11,7 @@ import warnings
 
 import pytest
 
-from conftest import REPO, TORCHRUN_STAGES, write_bad_snapshot
+from conftest import REPO, TORCHRUN_STAGES, own_output, write_bad_snapshot
 
 
 def run_in_process(stage: str, args: list, monkeypatch) -> str:
@@ -18,6 +19,7 @@ def run_in_process(stage: str, args: list, monkeypatch) -> str:
     must exit with one line, the message, and print nothing else, warnings included; or with
     argparse's usage and error lines (exit code 2): then the error line is returned."""
     monkeypatch.setattr(sys, "argv", [f"{stage}.py", *map(str, args)])
+    monkeypatch.setattr(atexit, "register", lambda function, *args: function)  # not in pytest's
     printed = io.StringIO()
     with (
         pytest.raises(SystemExit) as exit_info,
@@ -140,6 +142,16 @@ def test_bad_snapshot_is_refused_and_kept(workdir, monkeypatch, case):
     assert "cannot resume from snapshot.pt" in message
     assert (workdir / "snapshot.pt").read_bytes() == before
     assert not (workdir / "payload-ran").exists() and not list(workdir.glob("*.tmp"))
+
+
+def test_a_bad_flag_under_torchrun_is_said_once_and_not_retried(runs):
+    """Two nodes under torchrun --max-restarts=1, every rank parses `--lr -1`: argparse's usage
+    and error from rank 0 alone, and the run ends its torchrun instead of a restart."""
+    run = runs["bad-flag"][1]
+    output = own_output(run.output)
+    assert output.count("usage: ") == 1 and output.count("error: ") == 1, run.output
+    assert "error: argument --lr: expected a number > 0, got -1.0" in output, run.output
+    assert run.returncode == -9, run.output  # torchrun ended by the run: 137 in a shell
 
 
 def test_one_line_as_a_user_sees_it(runs):
