@@ -260,6 +260,79 @@ def small_trainer(stage, tmp_path, samples: int = 8) -> object:
     return stage.Trainer(model, train_data, val_data, torch.device("cpu"), args, run)
 
 
+def test_a_clipped_step_applies_the_norm_asked_for(tmp_path):
+    """--grad_clip 0.01: the gradient that every step applies has the global norm 0.01 (the norm
+    of all of the model's gradients together), computed here from the gradients themselves."""
+    trainer = small_trainer(single_gpu(), tmp_path)
+    trainer.args.grad_clip = 0.01
+    norms = []
+
+    def norm_before_step(optimizer, *_) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        norms.append(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item())
+
+    trainer.optimizer.register_step_pre_hook(norm_before_step)
+    assert trainer.train() == 0
+    assert len(norms) == 4 and norms == pytest.approx([0.01] * 4, rel=1e-4), norms
+
+
+@pytest.mark.parametrize("name", ["single_gpu", "multinode"])
+def test_saves_on_the_clock_every_save_minutes(name, tmp_path, monkeypatch, world_of_one):
+    """--save_minutes 1, each step 25 s on the stage's own clock, 32 steps of one epoch: a save
+    whenever a minute has passed since the last save, by this test's own count; in multinode.py
+    the ranks agree a step later, so each save comes a step after it is due."""
+    stage = stage_module(name)
+    now = [0.0]
+    fake_time = types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter)
+    monkeypatch.setattr(stage, "time", fake_time)  # this module's clock only: runs go on beside
+    saved = []
+    monkeypatch.setattr(stage, "save_snapshot", lambda path, s: saved.append(s["samples"]) or True)
+    trainer = small_trainer(stage, tmp_path, samples=64)
+    trainer.args.save_minutes = 1.0
+    trainer.save_at = 60.0
+    trainer.optimizer.register_step_post_hook(lambda *_: now.__setitem__(0, now[0] + 25))
+    assert trainer.train() == 0
+    expected, last = [], 0.0
+    late = name != "single_gpu"
+    due_at = None
+    for step in range(1, 33):
+        clock = 25.0 * step
+        if due_at is None and clock > last + 60:
+            due_at = step
+        if due_at is not None and step == due_at + late:
+            expected.append(2 * step)  # samples trained: 2 a step
+            last, due_at = clock, None
+    assert saved == [*expected, 0], saved  # then the epoch's end
+    assert expected[:2] == ([6, 12] if not late else [8, 16]), expected
+
+
+def test_snapshots_are_saved_every_save_every_epochs(tmp_path, monkeypatch):
+    """5 epochs with --save_every 2: saves after epochs 2 and 4, and after the last."""
+    stage = single_gpu()
+    saved = []
+    monkeypatch.setattr(stage, "save_snapshot", lambda path, s: saved.append(s["epoch"]) or True)
+    trainer = small_trainer(stage, tmp_path)
+    trainer.args.total_epochs, trainer.args.save_every = 5, 2
+    assert trainer.train() == 0
+    assert saved == [2, 4, 5], saved
+
+
+def test_each_step_takes_the_scheduled_learning_rate(tmp_path):
+    """2 epochs of 8 micro-batches, 2 a step (--grad_accum 2): 8 steps, whose learning rates rise
+    linearly to --lr over the first 10% of the run and fall linearly to 0 at its end, each taken
+    at the middle of its step."""
+    trainer = small_trainer(single_gpu(), tmp_path, samples=16)
+    trainer.args.total_epochs, trainer.args.grad_accum = 2, 2
+    rates = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda optimizer, *_: rates.append(optimizer.param_groups[0]["lr"])
+    )
+    assert trainer.train() == 0
+    middles = [(step + 0.5) / 8 for step in range(8)]
+    expected = [3e-3 * (t / 0.1 if t < 0.1 else (1 - t) / 0.9) for t in middles]
+    assert rates == pytest.approx(expected), rates
+
+
 @pytest.fixture
 def world_of_one(tmp_path):
     """A gloo process group of one process, here, as setup() starts it in a run."""
