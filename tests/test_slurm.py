@@ -86,11 +86,13 @@ def assert_requeued_and_finished(
 
 
 @pytest.mark.slow
-def test_preempted_job_requeues_itself(slurm_env, slow_runs, tmp_path):
+@pytest.mark.parametrize("name", ["TERM", "USR1"])
+def test_preempted_job_requeues_itself(slurm_env, slow_runs, tmp_path, name):
     """SIGTERM to every process of the job's steps, as a preemption with a grace time sends it
-    (scancel --signal=TERM), once epoch 2 is logged; no time limit in the way. --snapshot_path
-    among the job's arguments: the batch file watches that file (the time-limit jobs: the
-    default one)."""
+    (scancel --signal=TERM), once epoch 2 is logged; no time limit in the way. SIGUSR1 likewise,
+    as Slurm's time-limit warning without `B:` sends it: torchrun passes it on (the batch file
+    gives it --signals-to-handle). --snapshot_path among the job's arguments: the batch file
+    watches that file (the time-limit jobs: the default one)."""
     cwd = tmp_path / "repo"
     copy_repo(cwd)
     snapshot = "experiment.pt"
@@ -99,11 +101,32 @@ def test_preempted_job_requeues_itself(slurm_env, slow_runs, tmp_path):
 
     def preempt(job: str, log: str) -> None:
         if not sent and "Epoch 2 " in log:
-            sent.append(subprocess.run(["scancel", "--signal=TERM", job], env=slurm_env))
+            sent.append(subprocess.run(["scancel", f"--signal={name}", job], env=slurm_env))
 
     finished = follow(slurm_env, cwd, ["slurm/multinode.sh", *args], during=preempt)
     assert sent, finished["log"]
     assert_requeued_and_finished(finished, cwd, slow_runs["slurm-preempted"], snapshot)
+
+
+@pytest.mark.slow
+def test_a_lost_rank_is_restarted_and_an_error_that_recurs_is_not(slurm_env, tmp_path):
+    """slurm/multinode.sh, one process a node, 5 steps an epoch: rank 1 SIGKILLed as epoch 2
+    starts, once; every weight NaN after each process's 7th step. torchrun restarts the job after
+    the kill (a fault that may pass) from epoch 1's snapshot; in epoch 3 the loss turns NaN, as it
+    would at every start, and the job ends for good: one error line, no restart, no requeue,
+    epoch 2's snapshot kept."""
+    cwd = tmp_path / "repo"
+    copy_repo(cwd)
+    hooks = {"FAULT_AT": "kill:1:1", "FAULT_ONCE": str(cwd / "killed"), "FAULT_STEP_NAN": "7"}
+    command = ["slurm/multinode.sh", 4, 1, "--batch_size", 64]
+    finished = follow(slurm_env, cwd, command, hooks=hooks)
+    log = finished["log"]
+    assert finished["ended"] == "FAILED", finished["state"] + log
+    assert (cwd / "killed").exists() and log.count("resumed after epoch 1, 3 to go") == 1, log
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]  # not srun's
+    assert len(errors) == 1 and "the loss is NaN or infinite in epoch 3, " in errors[0], log
+    assert "start 2 " not in log and "not requeued" in log, log
+    assert load(cwd / "multinode.pt")["epoch"] == 2
 
 
 @pytest.mark.slow

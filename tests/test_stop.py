@@ -204,6 +204,32 @@ def full_at_stop(cwd: Path) -> tuple:
     return run, list(cwd.iterdir())
 
 
+HANDLE_USR1 = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # as the batch files
+
+
+def usr1_to_torchrun(cwd: Path, handled: bool) -> tuple:
+    """multigpu_torchrun.py stopped by SIGUSR1 to torchrun itself once epoch 1 is logged; handled:
+    torchrun was given HANDLE_USR1 and passes it on, else it dies of it and its workers get
+    their parent-death signal (SIGTERM). Then started again: as stopped_then_resumed."""
+    cwd.mkdir()
+    args = stop_args("multigpu_torchrun")
+    (proc,) = start("multigpu_torchrun", args, cwd, env=stage_env(FAULT_STEP_SLEEP="0.2"),
+                    torchrun_args=(HANDLE_USR1,) if handled else ())  # fmt: skip
+    deadline = threading.Timer(300, end_processes_in, [cwd])  # a hang ends the output too
+    deadline.start()
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("Epoch 1 "):
+            proc.send_signal(signal.SIGUSR1)
+            break
+    lines.extend(proc.stdout)  # to its end: every process that writes to it has ended
+    deadline.cancel()
+    stopped = {"codes": [proc.wait()], "output": "".join(lines), "cwd": cwd}
+    stopped.update(snapshot=load(cwd / "snapshot.pt"), left=list(cwd.glob("*.tmp")))
+    return stopped, launch("multigpu_torchrun", args, cwd, timeout=600)
+
+
 def stop_args(stage: str, save_every: int = 1) -> list:
     """Stopped in epoch 2, the last: the stops at an epoch's end go on to a next epoch."""
     return [2, save_every, *global_batch_args(stage)]
@@ -252,6 +278,8 @@ def queue_slow_runs(runs: Runs, root: Path) -> None:
         cwd = root / f"second-ctrl-c-{hang}-{stage}"
         queue(cwd.name, second_ctrl_c, stage, cwd, hang)
     queue("full-at-stop", full_at_stop, root / "full-at-stop")
+    for handled in (False, True):
+        queue(f"usr1-to-torchrun-{handled}", usr1_to_torchrun, root / f"usr1-{handled}", handled)
     for stage in ("multinode", "fsdp"):  # one node's process alone signalled (an eviction)
         faults = {"FAULT_SIGNAL": "SIGTERM:step:13", "FAULT_SIGNAL_RANK": "1"}
         cwd = root / f"one-node-{stage}"
@@ -422,3 +450,18 @@ def test_a_stop_signal_to_one_node_stops_every_rank(slow_runs, stage):
     assert stopped["codes"] == [1], stopped["output"]  # torchrun: a rank exited 128 + 15
     assert_saved_where_it_stopped(stopped, "SIGTERM")
     assert_resumes_bit_for_bit(slow_runs, stage, stop_args(stage), stopped, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("handled", [False, True])
+def test_sigusr1_to_torchrun_stops_and_saves(slow_runs, handled):
+    """SIGUSR1 to torchrun itself (Slurm's --signal=USR1@T without B: signals every process of a
+    step). Given --signals-to-handle with SIGUSR1 (the batch files), torchrun passes it on and
+    exits 1. Without it torchrun dies of the signal, and its workers, whose parent died, get
+    SIGTERM: they stop, save and end all the same. Either way the run resumes bit for bit."""
+    stopped, resumed = slow_runs[f"usr1-to-torchrun-{handled}"]
+    name = "SIGUSR1" if handled else "SIGTERM"
+    assert stopped["codes"] == [1 if handled else -signal.SIGUSR1], stopped["output"]
+    assert_saved_where_it_stopped(stopped, name)
+    args = stop_args("multigpu_torchrun")
+    assert_resumes_bit_for_bit(slow_runs, "multigpu_torchrun", args, stopped, resumed)
