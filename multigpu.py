@@ -1,8 +1,11 @@
-"""Stage 2 of 5, spawn starts a process per GPU, DDP trains: python multigpu.py 50 10
+"""Stage 2 of 5: spawn starts one process per GPU (2 on a CPU), and DDP trains them as one.
 
-(50 epochs, a snapshot every 10: --total_epochs 50 --save_every 10; without them, 5 and 5.)
-Ctrl-C, SIGTERM or SIGUSR1 stops it after the current step and saves a snapshot; the same command
-resumes it. The README's table gives every flag with its default.
+    python multigpu.py 50 10
+
+50 10 trains 50 epochs and saves a snapshot every 10 (without the numbers: 5 and 5). Ctrl-C,
+SIGTERM or SIGUSR1 stops the run after an optimizer step and saves a snapshot: in one process the
+step in which the signal arrives, with several the next one, which every process agrees on. The
+same command resumes the run. A second Ctrl-C ends it at once, unsaved.
 """
 
 import argparse
@@ -35,8 +38,8 @@ TIMEOUT = timedelta(minutes=5)
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
-    """Notes the signal: training stops after the current step. After a Ctrl-C, a second stop
-    signal ends the process at once."""
+    """Notes a stop signal: training stops after an optimizer step and saves. A Ctrl-C also gives
+    the stop signals back their default action, so that a second one ends the process at once."""
     stop_signals.append(signum)
     if signum == signal.SIGINT:
         for stop in STOP_SIGNALS:
@@ -48,7 +51,7 @@ def start_loader_worker(worker_id: int) -> None:
     dies with that process."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    # Dies with its process, even when it hangs and no longer checks on it.
+    # The kernel ends the worker when its training process dies, even if the worker hangs.
     torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)
 
 
@@ -56,8 +59,8 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     """The one place that picks the hardware: a GPU if there is one, else the CPU."""
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # Its share of the node's cores (a Slurm job's, else all it may use), and never more than its
-    # CPU set: an srun task that Slurm binds to its own cores (task/affinity) may use only those.
+    # A process takes its share of the node's cores (the Slurm job's, else all it may use), and
+    # never more than its CPU set: an srun task bound to its own cores may use only those.
     node = int(os.environ.get("SLURM_CPUS_ON_NODE", cores))
     torch.set_num_threads(max(1, min(cores, node // local_world_size)))
     # If its launcher dies (killed, or ended by a signal it does not handle), it stops and saves.
@@ -137,7 +140,9 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    try:  # ViT takes 224 only. Checked on the meta device: shapes alone, no compute at any size.
+    # Some models take one image size only (ViT takes 224). A forward pass on the meta device
+    # checks the shapes and computes nothing, at any size.
+    try:
         named = [*model.named_parameters(), *model.named_buffers()]
         with torch.device("meta"), torch.no_grad():
             shapes = {name: tensor.to("meta") for name, tensor in named}
@@ -159,7 +164,8 @@ def load_snapshot(
 ) -> tuple:
     """Loads the snapshot, if there is one, into the model and optimizer. Returns where to
     resume: the epochs done, then the samples trained and their loss sum in the next one."""
-    digest = None  # the file's content: a copy of another epoch can have the same size
+    # The ranks compare the file's content: a copy of another epoch can have the same size.
+    digest = None
     with contextlib.suppress(OSError), open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     digests = [None] * dist.get_world_size()  # every rank must load the same file, or none
@@ -175,7 +181,8 @@ def load_snapshot(
         if differs:
             raise ValueError(f"it holds another run ({'; '.join(differs)}): give each its own path")
         model.load_state_dict(snapshot["model"])
-        for group in snapshot["optimizer"]["param_groups"]:  # this machine's AdamW: fused on GPUs
+        # AdamW keeps this machine's implementation (fused on GPUs), whatever the file's was.
+        for group in snapshot["optimizer"]["param_groups"]:
             group.update(fused=optimizer.defaults["fused"], foreach=None)
         optimizer.load_state_dict(snapshot["optimizer"])
     except Exception as e:
@@ -227,10 +234,12 @@ class Trainer:
         except ValueError as e:
             dist.destroy_process_group()
             sys.exit(f"error: {e}" if self.global_rank == 0 else 1)
-        self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)  # CPU tensors: no GPU wait
+        # Votes and figures are CPU tensors in a gloo group: reading them never waits for the GPU.
+        self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)
         # The others wait for rank 0's write in a group of their own, for up to 30 minutes.
         self.save_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
-        self.stop = torch.tensor([0, 0, 0])  # a stop signal, a save due, a loss that is not finite
+        # Each rank votes a stop signal (or 0), whether a save is due, and whether its loss is NaN.
+        self.stop = torch.tensor([0, 0, 0])
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
         self.train_model = model
         if args.compile:  # CUDA graphs would overwrite gradients that micro-batches add up
@@ -250,7 +259,7 @@ class Trainer:
         dist.all_reduce(done, dist.ReduceOp.MIN, self.save_group)  # the others wait for the write
         self.save_at = time.monotonic() + 60 * (self.args.save_minutes or math.inf)
         self.unsaved_steps = 0
-        self.vote.wait()  # a vote cast before this save would ask for another
+        self.vote.wait()  # a vote cast before this save may ask for a save, which this one was
         self.stop[1] = 0
         return bool(done)
 
@@ -259,23 +268,25 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # Divided by the global batch: the mean gradient, however micro-batches and ranks split it.
+        # Dividing by the global batch weighs every sample alike, however micro-batches and ranks
+        # split the batch. An epoch's short last batch therefore takes a smaller step.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
     def _update(self, step: int, updates: int) -> None:
-        """The optimizer's step number `step`, of `updates` an epoch."""
+        """Takes the optimizer's step number `step` of the run, with `updates` steps an epoch."""
         for group in self.optimizer.param_groups:
             group["lr"] = get_lr(step, self.args.total_epochs * updates, self.args.lr)
-        if self.args.grad_clip:  # by the norm of the whole step's gradient, over all ranks
+        if self.args.grad_clip:  # the norm is the whole step's gradient's, over all ranks
             nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.unsaved_steps += 1
 
     def _run_epoch(self, epoch: int, samples: int) -> tuple[torch.Tensor, int, int]:
-        """From the epoch's `samples`-th sample to its end (returns 0), a stop (the signal) or a
-        save due on the clock (None); also returns the loss sum and samples, this rank's."""
+        """Trains the epoch from its `samples`-th sample on. Returns this rank's loss sum and
+        samples, and why it returned: 0 at the epoch's end, the signal at a stop, and None when a
+        save is due or the loss is NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
         # A resumed epoch starts after the last step it trained.
@@ -296,7 +307,9 @@ class Trainer:
             if not update:
                 continue
             self._update(epoch * updates + step // self.args.grad_accum, updates)
-            # Stop or save together (one rank alone would hang the others), as agreed a step later.
+            # Every rank stops or saves after the same step: one rank alone would leave the others
+            # waiting. The ranks vote with an all-reduce that runs during the next step and is read
+            # after it, so that no step waits for it.
             self.vote.wait()
             stopped, due, diverged = self.stop.tolist()
             due_now = time.monotonic() > self.save_at
@@ -312,7 +325,8 @@ class Trainer:
         return loss_sum, min(len(sampler), steps * self.args.batch_size), 0
 
     def train(self) -> int:
-        """0 at the end; 128 + the signal at a stop, saved; 1 if a save failed or it diverged."""
+        """Returns the exit code: 0 at the end, 128 + the signal after a stop and its save, 1 if a
+        save failed or the run diverged."""
         epoch, samples, loss_sum = self.resume
         if self.global_rank == 0 and (epoch or samples):
             left = max(0, self.args.total_epochs - epoch)
@@ -320,20 +334,20 @@ class Trainer:
             print(f"{self.args.snapshot_path}: resumed after epoch {epoch}{where}, {left} to go")
         began, skipped = time.perf_counter(), samples
         while epoch < self.args.total_epochs:
-            val_batches = iter(self.val_data)  # its workers load batches while the epoch trains
+            val_batches = iter(self.val_data)  # the loader's workers load while the epoch trains
             loss, samples, stopped = self._run_epoch(epoch, samples)
             correct = evaluate(self.model, val_batches, self.device) if stopped == 0 else 0
             evaluated = len(self.val_data.dataset)
             figures = torch.tensor([loss, samples, correct, evaluated], dtype=torch.float64)
-            dist.all_reduce(figures, group=self.cpu_group)  # summed over the ranks
+            dist.all_reduce(figures, group=self.cpu_group)  # the sums of every rank's figures
             loss, samples, correct, evaluated = figures.tolist()
             loss_sum += loss
             if not math.isfinite(loss_sum):
                 return self._diverged(epoch, "the loss")
-            if stopped != 0:  # a stop signal, or a save due inside the epoch (None)
+            if stopped != 0:  # a stop signal or a save (None) ended the epoch early
                 if not self._save_snapshot(epoch, int(samples), loss_sum):
                     return 1
-                if stopped is None:  # a periodic save: the epoch goes on
+                if stopped is None:  # after a periodic save the epoch goes on
                     continue
                 if self.global_rank == 0:
                     where = f"in epoch {epoch + 1} after {int(samples)} samples"
@@ -409,7 +423,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
-    except ValueError as e:  # bad input: one error line, then the job ends
+    except ValueError as e:  # bad input ends the job with one error line
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
     device = setup(local_rank, global_rank)
     if args.deterministic:
@@ -436,9 +450,12 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         code = 75  # EX_TEMPFAIL: a retry may succeed
     del trainer, train_data, val_data  # the loader workers end before the exit functions run
     dist.destroy_process_group()
-    atexit._run_exitfuncs()  # a user's atexit handlers run, but not Python's slow teardown:
+    # os._exit skips Python's teardown, which takes seconds with torch loaded, and in which gloo's
+    # threads can abort (pytorch#107298). It skips joining threads that your code started too,
+    # but the atexit handlers run here first, yours included.
+    atexit._run_exitfuncs()
     sys.stdout.flush()
-    os._exit(code)  # seconds with torch loaded, and Gloo's threads can abort it (pytorch#107298)
+    os._exit(code)
 
 
 def natural(text: str, least: int = 0) -> int:
@@ -452,27 +469,114 @@ def positive(text: str) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("epochs", type=positive, nargs="?")
-    parser.add_argument("every", type=positive, nargs="?")
-    parser.add_argument("--total_epochs", type=positive, default=5)
-    parser.add_argument("--save_every", type=positive, default=5)
-    parser.add_argument("--batch_size", type=positive, default=32)
-    parser.add_argument("--grad_accum", type=positive, default=1)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=natural, default=0)
-    parser.add_argument("--snapshot_path", default=os.path.basename(__file__).replace(".py", ".pt"))
-    parser.add_argument("--data_dir")
-    parser.add_argument("--image_size", type=positive, default=32)
-    parser.add_argument("--augment", default="none", choices=["none", "crop", "flip", "crop+flip"])
-    parser.add_argument("--arch", default="convnet")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--deterministic", action="store_true")
-    parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--workers", type=natural)
-    parser.add_argument("--save_minutes", type=float, default=30.0)
-    parser.add_argument("--grad_clip", type=float, default=0.0)
-    parser.add_argument("--world_size", type=positive, default=torch.cuda.device_count() or 2)
+    # The docstring as written, so that its launch command stays on a line of its own.
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "epochs", type=positive, nargs="?", help="epochs to train: the same as --total_epochs"
+    )
+    parser.add_argument(
+        "every",
+        type=positive,
+        nargs="?",
+        help="save every this many epochs: the same as --save_every",
+    )
+    parser.add_argument(
+        "--total_epochs", type=positive, default=5, help="epochs to train (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--save_every",
+        type=positive,
+        default=5,
+        help="save every this many epochs and after the last (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch_size",
+        type=positive,
+        default=32,
+        help="samples per micro-batch and process (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--grad_accum",
+        type=positive,
+        default=1,
+        help="micro-batches that an optimizer step adds up (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=3e-3, help="AdamW's peak learning rate (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=natural,
+        default=0,
+        help="seeds the weights, the order of samples and dropout (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--snapshot_path",
+        default=os.path.basename(__file__).replace(".py", ".pt"),
+        help="the file the run resumes from and saves to (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--data_dir",
+        help="images in DIR/train/CLASS/ and DIR/val/CLASS/ (default: built-in images)",
+    )
+    parser.add_argument(
+        "--image_size",
+        type=positive,
+        default=32,
+        help="the side of the images in pixels (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--augment",
+        default="none",
+        choices=["none", "crop", "flip", "crop+flip"],
+        help="random crops and flips of your training images (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--arch",
+        default="convnet",
+        help="convnet, or a torchvision classifier such as resnet18 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="bf16 computes in bfloat16, with float32 weights (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic GPU kernels, for resumes bit for bit on GPUs",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the model with torch.compile (slower to start)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=natural,
+        help="loader processes per process (default: 8 on GPUs, at most its threads; 0 on a CPU)",
+    )
+    parser.add_argument(
+        "--save_minutes",
+        type=float,
+        default=30.0,
+        help="also save inside an epoch this often, 0 for never (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--grad_clip",
+        type=float,
+        default=0.0,
+        help="clip each step's gradient to this global norm, 0 for never (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--world_size",
+        type=positive,
+        default=torch.cuda.device_count() or 2,
+        help="processes to start (default: one per GPU, or 2 without a GPU)",
+    )
     args = parser.parse_args()
     if not 0 < args.lr < float("inf"):
         parser.error(f"argument --lr: expected a number > 0, got {args.lr}")

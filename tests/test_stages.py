@@ -657,6 +657,48 @@ def test_fsdp_accumulates_gradients_at_a_ranks_share(tmp_path, world_of_one):
     assert held and all(held), held
 
 
+def two_groups(model: torch.nn.Module) -> list[dict]:
+    """The usual AdamW groups: biases and norms without weight decay, first, then the weights:
+    another order than named_parameters()."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+        {"params": [p for p in params if p.ndim > 1]},
+    ]
+
+
+def test_fsdp_saves_and_loads_adamws_state_for_any_grouping(world_of_one):
+    """AdamW in two parameter groups, one step on the same batch unsharded and under FSDP: the
+    state fsdp.py writes is the plain optimizer's state dict (what the other stages write and
+    read: parameters numbered in the optimizer's order), and loaded back it is FSDP's own."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    torch.manual_seed(0)
+    plain = single_gpu().build_model("convnet", 10, 32)
+    sharded = fsdp().build_model("convnet", 10, 32)
+    sharded.load_state_dict(plain.state_dict())
+    fsdp().shard_model(sharded, "fp32", torch.device("cpu"), False)
+    images, labels = torch.randn(4, 3, 32, 32), torch.arange(4)
+    optimizers = []
+    for model in (plain, sharded):
+        optimizer = torch.optim.AdamW(two_groups(model), lr=1e-2)
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        optimizers.append(optimizer)
+    _, state = dcp.get_state_dict(sharded, optimizers[1], options=fsdp().WHOLE)
+    written, expected = fsdp().keyed(state, sharded, optimizers[1]), optimizers[0].state_dict()
+    assert [g["params"] for g in written["param_groups"]] == [
+        g["params"] for g in expected["param_groups"]
+    ]
+    assert written["state"].keys() == expected["state"].keys()
+    for number, moments in expected["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(written["state"][number][key], moments[key], atol=1e-7), number
+    named = fsdp().keyed(written, sharded, optimizers[1])
+    assert named["state"].keys() == state["state"].keys()
+    dcp.set_optimizer_state_dict(sharded, optimizers[1], named, options=fsdp().BROADCAST)
+
+
 def test_fsdp_trains_a_batchnorm_model_in_bf16(world_of_one):
     """shard_model() makes each repeated block an FSDP unit (layer4's, each over a quarter of the
     model, are cut into their convolutions) and BatchNorm one float32 unit: ResNet-18 takes an
