@@ -604,4 +604,6 @@ if __name__ == "__main__":
         while not ranks.join(grace_period=3):
             pass
     except torch.multiprocessing.ProcessExitedException as e:
-        sys.exit(f"error: {e}, so the job stopped" if e.signal_name else e.exit_code)
+        if e.signal_name:  # a rank was killed (by the OOM killer, say): a retry may succeed
+            print(f"error: {e}, so the job stopped", file=sys.stderr)
+        sys.exit(75 if e.signal_name else e.exit_code)

@@ -36,7 +36,7 @@ def timed_steps(mode: str, opts: argparse.Namespace, work: torch.Tensor) -> floa
             time.sleep(opts.sleep / 1000)
         else:
             work @ work
-        flag = torch.tensor(0)
+        flag = torch.tensor([0, 0, 0])  # as the stages vote: a stop, a save due, a NaN loss
         if mode == "blocking":
             dist.all_reduce(flag, dist.ReduceOp.MAX)
         elif mode == "overlap":

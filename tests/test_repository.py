@@ -18,11 +18,11 @@ from torch.utils.data import TensorDataset
 from conftest import EPOCH_LINE, REPO, STAGES, single_gpu
 
 README = (REPO / "README.md").read_text()
-# Changed lines to the next stage, and code tokens (Python's tokens outside comments and
-# docstrings): no stage grows past these figures. Comments are free: plain sentences.
-LIMITS = {"single_gpu": 116, "multigpu": 34, "multigpu_torchrun": 12, "multinode": 110}
-TOKENS = {"single_gpu": 3_436, "multigpu": 4_207, "multigpu_torchrun": 4_053, "multinode": 4_176}
-TOKENS["fsdp"] = 4_980
+# Changed lines to the next stage, and code tokens (Python's tokens outside comments, docstrings
+# and argparse's help strings): no stage grows past these figures. Comments and help are free.
+LIMITS = {"single_gpu": 153, "multigpu": 63, "multigpu_torchrun": 18, "multinode": 123}
+TOKENS = {"single_gpu": 3_675, "multigpu": 4_551, "multigpu_torchrun": 4_499, "multinode": 4_631}
+TOKENS["fsdp"] = 5_481
 
 
 def changed_lines(a: str, b: str) -> int:
@@ -43,7 +43,8 @@ def end_of_line_comments(source: str) -> float:
 
 
 def code_tokens(source: str) -> int:
-    """Python's tokens outside comments and docstrings: the code a reader must follow."""
+    """Python's tokens outside comments, docstrings and argparse's help strings: the code a
+    reader must follow."""
     tree = ast.parse(source)
     docstrings = {
         node.body[0].lineno
@@ -52,27 +53,55 @@ def code_tokens(source: str) -> int:
         and ast.get_docstring(node, clean=False) is not None
     }
     layout = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
-    return sum(
-        token.type not in (*layout, tokenize.COMMENT)
-        and not (token.type == tokenize.STRING and token.start[0] in docstrings)
-        for token in tokenize.generate_tokens(io.StringIO(source).readline)
-    )
+    count, last = 0, []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in (*layout, tokenize.COMMENT):
+            continue
+        prose = token.type == tokenize.STRING and (
+            token.start[0] in docstrings or last[-2:] == ["help", "="]
+        )
+        count += not prose
+        last = [*last[-1:], token.string]
+    return count
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_each_stage_reads_as_plain_lines(stage):
-    """End-of-line comments on at most 15% of code lines, no function over 40 lines, no line over
-    100 columns, the Trainer within 150 lines and the code within its tokens (TOKENS)."""
+    """End-of-line comments on at most 15% of code lines, no line over 100 columns, and the code
+    within its tokens (TOKENS). No line counts: a reader found text packed to fit them."""
     source = (REPO / f"{stage}.py").read_text()
     assert end_of_line_comments(source) <= 0.15
-    tree = ast.parse(source)
-    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
-    longest = max(functions, key=lambda n: n.end_lineno - n.lineno)
-    assert longest.end_lineno - longest.lineno + 1 <= 40, longest.name
     assert max(len(line) for line in source.splitlines()) <= 100
-    (trainer,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
-    assert trainer.end_lineno - trainer.lineno + 1 <= 150
     assert code_tokens(source) <= TOKENS[stage], code_tokens(source)
+
+
+def test_help_strings_are_prose_not_code():
+    """A help string costs no code token; the `, help=` before it does."""
+    with_help = 'parser.add_argument("--lr", type=float, help="a long sentence, many words")\n'
+    without = 'parser.add_argument("--lr", type=float)\n'
+    assert code_tokens(with_help) == code_tokens(without) + 3
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_help_gives_the_launch_command_and_every_flag_with_its_default(stage, capsys):
+    """--help: the docstring as written (its launch command intact on its lines), then a line of
+    help for every flag, with its default where it has one."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", [f"{stage}.py", "--help"])
+        patch.setattr("atexit.register", lambda function, *args: function)
+        with pytest.raises(SystemExit):
+            runpy.run_path(str(REPO / f"{stage}.py"), run_name="__main__")
+    shown = capsys.readouterr().out
+    doc = ast.get_docstring(ast.parse((REPO / f"{stage}.py").read_text()), clean=False)
+    command = next(line for line in doc.splitlines() if line.startswith("    "))
+    assert command in shown.splitlines(), shown
+    entries = re.split(r"\n(?=  -)", shown.split("\noptions:\n")[1])  # one a flag, help after it
+    shown_flags = {f: d for f, d in stage_flags(stage).items() if f != "--local_rank"}  # hidden
+    for flag, default in shown_flags.items():
+        (entry,) = [" ".join(e.split()) for e in entries if e.lstrip().startswith(f"{flag} ")]
+        if default not in (None, False) and flag != "--world_size":
+            assert entry.endswith(f"(default: {default})"), entry
+        assert len(entry.split()) > 3, entry  # the flag, its value's name, and a help text
 
 
 def test_the_diffs_stay_small_and_the_readme_states_them():
@@ -84,7 +113,7 @@ def test_the_diffs_stay_small_and_the_readme_states_them():
 
 
 def test_the_readme_is_short():
-    assert len(README) <= 10_000
+    assert len(README) <= 12_000
 
 
 def test_the_readmes_commands_run_in_order_in_one_folder(runs):
@@ -125,6 +154,7 @@ def stage_flags(stage: str) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(argparse.ArgumentParser, "parse_args", keep)
         patch.setattr(sys, "argv", [f"{stage}.py"])
+        patch.setattr("atexit.register", lambda function, *args: function)  # not in pytest's
         with pytest.raises(KeyboardInterrupt):
             runpy.run_path(str(REPO / f"{stage}.py"), run_name="__main__")
     defaults = vars(argparse.ArgumentParser.parse_args(built["parser"], []))

@@ -416,8 +416,10 @@ def test_own_output_keeps_a_ranks_cpp_warnings():
 
 def test_no_step_waits_for_the_device(tmp_path, monkeypatch):
     """On a GPU, reading a tensor on the host waits for the GPU to catch up. The stage reads its
-    tensors twice an epoch, after it (loss and accuracy), and never inside a step. The
-    distributed stages add one read a step: the stop check's CPU tensor, a step old."""
+    tensors twice an epoch, after it (loss and accuracy), and never inside a step but for its
+    host copy of whether the loss is finite, which the GPU fills without a wait (one read a
+    step). A save checks every tensor it writes (reads at the save only). The distributed stages
+    add one read a step: the vote's CPU tensor, a step old."""
     stage = single_gpu()
     trainer = small_trainer(stage, tmp_path)
     reads = []
@@ -426,8 +428,9 @@ def test_no_step_waits_for_the_device(tmp_path, monkeypatch):
         read = getattr(torch.Tensor, name)
 
         def counted(tensor, *args, **kwargs):
-            if sys._getframe(1).f_code.co_filename == stage.__file__:  # the stage's own reads
-                reads.append(name)
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename == stage.__file__:  # the stage's own reads
+                reads.append((name, frame.f_code.co_name, tensor is trainer.finite))
             return read(tensor, *args, **kwargs)
 
         return counted
@@ -435,7 +438,12 @@ def test_no_step_waits_for_the_device(tmp_path, monkeypatch):
     for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     assert trainer.train() == 0
-    assert reads == ["__float__", "__float__"], reads
+    steps = [read for read in reads if read[2]]
+    saves = [read for read in reads if read[1] == "_finite"]
+    others = [read[0] for read in reads if read not in steps and read not in saves]
+    assert others == ["__float__", "__float__"], reads
+    assert steps == [("__bool__", "_run_epoch", True)] * 4, reads  # 4 steps
+    assert saves and {read[0] for read in saves} == {"__bool__"}, reads
 
 
 @pytest.mark.parametrize("stage", STAGES)
