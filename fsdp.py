@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, Te
 # Saving gathers the whole state on rank 0's host; loading has rank 0 send its file to every rank.
 WHOLE = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
 BROADCAST = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-# The signals that stop a run, saved: Ctrl-C, SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's
+# Three signals stop a run and save it: Ctrl-C, SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's
 # warning that the time limit is near; Windows has none).
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
 stop_signals: list[int] = []
@@ -80,7 +80,7 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     if gpus:
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # float32 matmuls use the faster TF32 cores
-    backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, gloo for CPUs
+    backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, else gloo
     device_id = device if gpus else None
     dist.init_process_group(backend, rank=global_rank, device_id=device_id, timeout=TIMEOUT)
     return device
@@ -273,7 +273,7 @@ def shard_model(model: nn.Module, precision: str, device: torch.device, compiled
             buffer.copy_(buffers[name])
         dist.broadcast(buffer, 0)
     if dist.get_rank() == 0:
-        count = len(grouped) + 1 + bool(norms)  # the groups, the root, and BatchNorm's
+        count = len(grouped) + 1 + bool(norms)  # it counts the groups, the root and BatchNorm's
         largest = max([*sizes, total - sum(sizes)])
         print(f"FSDP: {count} units, the largest {largest:,} of {total:,} bytes")
 
@@ -315,7 +315,7 @@ class Trainer:
         self.global_rank = dist.get_rank()
         self.save_at = time.monotonic() + 60 * (args.save_minutes or math.inf)
         self.unsaved_steps = 0
-        # Whether the loss is still finite: copied from the GPU as it runs, and read a step later.
+        # The GPU copies here whether the loss is still finite; a read a step later never waits.
         self.finite = torch.ones((), dtype=torch.bool, pin_memory=device.type == "cuda")
         try:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
@@ -337,7 +337,7 @@ class Trainer:
         if self.global_rank == 0:
             snapshot = dict(model=model, optimizer=keyed(optimizer, self.model, self.optimizer))
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            finite = self._finite(snapshot, epoch if samples else epoch - 1)  # the epoch it ran
+            finite = self._finite(snapshot, epoch if samples else epoch - 1)  # the epoch that ran
             saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
         done = torch.tensor(int(saved))
         dist.all_reduce(done, dist.ReduceOp.MIN, self.save_group)  # the others wait for the write
@@ -361,7 +361,7 @@ class Trainer:
         """Takes the optimizer's step number `step` of the run, with `updates` steps an epoch."""
         for group in self.optimizer.param_groups:
             group["lr"] = get_lr(step, self.args.total_epochs * updates, self.args.lr)
-        if self.args.grad_clip:  # the norm is the whole step's gradient's, over all ranks
+        if self.args.grad_clip:  # it clips by the norm of the step's whole gradient, all ranks'
             nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -422,7 +422,7 @@ class Trainer:
             # Rank 0 counts the held-out images; the copies that pad the shares count nothing.
             evaluated = self.run["data"][2] if self.global_rank == 0 else 0
             figures = torch.tensor([loss, samples, correct, evaluated], dtype=torch.float64)
-            dist.all_reduce(figures, group=self.cpu_group)  # the sums of every rank's figures
+            dist.all_reduce(figures, group=self.cpu_group)  # each figure becomes the ranks' sum
             loss, samples, correct, evaluated = figures.tolist()
             loss_sum += loss
             if not math.isfinite(loss_sum):
@@ -516,7 +516,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         try:  # rank 0 builds the weights; the others build shapes only, on the meta device
             with torch.device("meta" if global_rank else "cpu"):
                 model = build_model(args.arch, classes, args.image_size)
-        except NotImplementedError:  # RegNet computes its widths with tensors, so not on meta
+        except NotImplementedError:  # RegNet computes its widths with tensors, so it needs a CPU
             model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
@@ -539,12 +539,12 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     try:
         code = trainer.train()
     except Exception as e:  # a rank died or stopped answering, or another fault that may pass
-        if "Timed out" in str(e):  # what gloo says after TIMEOUT
+        if "Timed out" in str(e):  # gloo says so after TIMEOUT
             waited = f"{TIMEOUT.total_seconds() / 60:g} minutes"
             print(f"error: rank {global_rank} waited {waited} for a rank that stopped answering")
         else:
             traceback.print_exc()
-        code = 75  # EX_TEMPFAIL: a retry may succeed
+        code = 75  # EX_TEMPFAIL, the exit code that says a retry may succeed
     del trainer, train_data, val_data  # the loader workers end before the exit functions run
     dist.destroy_process_group()
     atexit.unregister(end_torchrun)  # it is for errors at start; from here the exit code decides
@@ -569,7 +569,7 @@ def positive(text: str) -> int:
 
 
 if __name__ == "__main__":
-    # The docstring as written, so that its launch command stays on a line of its own.
+    # argparse shows the docstring as written, so that its launch command keeps its own lines.
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -674,7 +674,7 @@ if __name__ == "__main__":
     parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
     atexit.register(end_torchrun)  # an error before training: torchrun must not restart the job
     stderr = sys.stderr
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":  # one error for the job
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":  # rank 0 alone tells
         sys.stderr = io.StringIO()
     args = parser.parse_args()
     if not 0 < args.lr < float("inf"):

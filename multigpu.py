@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-# The signals that stop a run, saved: Ctrl-C, SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's
+# Three signals stop a run and save it: Ctrl-C, SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's
 # warning that the time limit is near; Windows has none).
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
 stop_signals: list[int] = []
@@ -73,7 +73,7 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     if gpus:
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # float32 matmuls use the faster TF32 cores
-    backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, gloo for CPUs
+    backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, else gloo
     device_id = device if gpus else None
     dist.init_process_group(backend, rank=global_rank, device_id=device_id, timeout=TIMEOUT)
     return device
@@ -227,7 +227,7 @@ class Trainer:
         self.global_rank = dist.get_rank()
         self.save_at = time.monotonic() + 60 * (args.save_minutes or math.inf)
         self.unsaved_steps = 0
-        # Whether the loss is still finite: copied from the GPU as it runs, and read a step later.
+        # The GPU copies here whether the loss is still finite; a read a step later never waits.
         self.finite = torch.ones((), dtype=torch.bool, pin_memory=device.type == "cuda")
         try:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
@@ -253,7 +253,7 @@ class Trainer:
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            finite = self._finite(snapshot, epoch if samples else epoch - 1)  # the epoch it ran
+            finite = self._finite(snapshot, epoch if samples else epoch - 1)  # the epoch that ran
             saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
         done = torch.tensor(int(saved))
         dist.all_reduce(done, dist.ReduceOp.MIN, self.save_group)  # the others wait for the write
@@ -277,7 +277,7 @@ class Trainer:
         """Takes the optimizer's step number `step` of the run, with `updates` steps an epoch."""
         for group in self.optimizer.param_groups:
             group["lr"] = get_lr(step, self.args.total_epochs * updates, self.args.lr)
-        if self.args.grad_clip:  # the norm is the whole step's gradient's, over all ranks
+        if self.args.grad_clip:  # it clips by the norm of the step's whole gradient, all ranks'
             nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -339,7 +339,7 @@ class Trainer:
             correct = evaluate(self.model, val_batches, self.device) if stopped == 0 else 0
             evaluated = len(self.val_data.dataset)
             figures = torch.tensor([loss, samples, correct, evaluated], dtype=torch.float64)
-            dist.all_reduce(figures, group=self.cpu_group)  # the sums of every rank's figures
+            dist.all_reduce(figures, group=self.cpu_group)  # each figure becomes the ranks' sum
             loss, samples, correct, evaluated = figures.tolist()
             loss_sum += loss
             if not math.isfinite(loss_sum):
@@ -402,7 +402,7 @@ def prepare_dataloaders(
         workers = min(8, torch.get_num_threads()) if gpu else 0
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
     load.update(worker_init_fn=start_loader_worker)
-    if workers:  # forked, not spawned: a spawned one imports torch again
+    if workers:  # forked, since a spawned worker would import torch again
         load.update(multiprocessing_context="fork")
     sampler = EpochSampler(train_set, seed=args.seed)
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
@@ -442,12 +442,12 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     try:
         code = trainer.train()
     except Exception as e:  # a rank died or stopped answering, or another fault that may pass
-        if "Timed out" in str(e):  # what gloo says after TIMEOUT
+        if "Timed out" in str(e):  # gloo says so after TIMEOUT
             waited = f"{TIMEOUT.total_seconds() / 60:g} minutes"
             print(f"error: rank {global_rank} waited {waited} for a rank that stopped answering")
         else:
             traceback.print_exc()
-        code = 75  # EX_TEMPFAIL: a retry may succeed
+        code = 75  # EX_TEMPFAIL, the exit code that says a retry may succeed
     del trainer, train_data, val_data  # the loader workers end before the exit functions run
     dist.destroy_process_group()
     # os._exit skips Python's teardown, which takes seconds with torch loaded, and in which gloo's
@@ -469,7 +469,7 @@ def positive(text: str) -> int:
 
 
 if __name__ == "__main__":
-    # The docstring as written, so that its launch command stays on a line of its own.
+    # argparse shows the docstring as written, so that its launch command keeps its own lines.
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -585,7 +585,7 @@ if __name__ == "__main__":
             parser.error(f"argument --{name}: expected a number >= 0, got {getattr(args, name)}")
     args.total_epochs = args.epochs or args.total_epochs
     args.save_every = args.every or args.save_every
-    port = socket.socket()  # a free port, held for the whole job
+    port = socket.socket()  # the launcher holds a free port for the whole job
     port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # so rank 0 can bind it too
     port.bind(("localhost", 0))
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port.getsockname()[1]))
@@ -595,7 +595,7 @@ if __name__ == "__main__":
 
     def pass_on(signum: int, frame: object) -> None:  # Kubernetes signals only the launcher
         for rank in ranks.processes:
-            if rank.exitcode is None:  # still running: its process ID is not yet reused
+            if rank.exitcode is None:  # a rank still running keeps its process ID
                 os.kill(rank.pid, signum)
 
     for signum in (signal.SIGTERM, signal.SIGUSR1):

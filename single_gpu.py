@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
-# The signals that stop a run, saved: Ctrl-C, SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's
+# Three signals stop a run and save it: Ctrl-C, SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's
 # warning that the time limit is near; Windows has none).
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
 stop_signals: list[int] = []
@@ -201,7 +201,7 @@ class Trainer:
         self.global_rank = 0
         self.save_at = time.monotonic() + 60 * (args.save_minutes or math.inf)
         self.unsaved_steps = 0
-        # Whether the loss is still finite: copied from the GPU as it runs, and read a step later.
+        # The GPU copies here whether the loss is still finite; a read a step later never waits.
         self.finite = torch.ones((), dtype=torch.bool, pin_memory=device.type == "cuda")
         try:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
@@ -217,7 +217,7 @@ class Trainer:
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            finite = self._finite(snapshot, epoch if samples else epoch - 1)  # the epoch it ran
+            finite = self._finite(snapshot, epoch if samples else epoch - 1)  # the epoch that ran
             saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
         self.save_at = time.monotonic() + 60 * (self.args.save_minutes or math.inf)
         self.unsaved_steps = 0
@@ -237,7 +237,7 @@ class Trainer:
         """Takes the optimizer's step number `step` of the run, with `updates` steps an epoch."""
         for group in self.optimizer.param_groups:
             group["lr"] = get_lr(step, self.args.total_epochs * updates, self.args.lr)
-        if self.args.grad_clip:  # the norm is the whole step's gradient's, over all ranks
+        if self.args.grad_clip:  # it clips by the norm of the step's whole gradient, all ranks'
             nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -401,7 +401,7 @@ def positive(text: str) -> int:
 
 
 if __name__ == "__main__":
-    # The docstring as written, so that its launch command stays on a line of its own.
+    # argparse shows the docstring as written, so that its launch command keeps its own lines.
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
