@@ -3,7 +3,7 @@
 Every launch of the default suite is defined in one pool (the `runs` fixture). A session of the
 whole suite starts them all as it starts, so that runs share the two cores while the tests read
 their results; the floor suite (-m floor) starts only the runs its tests read (FLOOR_RUNS). When
-the user picks tests by name (-k, or FILE::TEST), a run starts only when a selected test reads it.
+the user picks tests (-k, a file, or FILE::TEST), a run starts only when a selected test reads it.
 See tests/README.md.
 """
 
@@ -337,9 +337,10 @@ class Runs:
 
 
 def narrowed(config) -> bool:
-    """Whether the user picked tests by name (-k, or a node id such as FILE::TEST): then only the
-    runs those tests read start, as they read them."""
-    return bool(config.option.keyword) or any("::" in arg for arg in config.args)
+    """Whether the user picked tests (-k, a file, or a node id such as FILE::TEST) rather than
+    the whole suite: then only the runs those tests read start, as they read them."""
+    whole = {(config.rootpath / path).resolve() for path in config.getini("testpaths")}
+    return bool(config.option.keyword) or {Path(a).resolve() for a in config.args} != whole
 
 
 def global_batch_args(stage: str) -> list:
