@@ -821,6 +821,13 @@ FLOOR_TESTS = {
     "test_a_crash_without_a_signal_costs_minutes_and_a_diverged_run_is_never_saved[fsdp]",
     "test_gradients_are_clipped_by_the_global_norm_of_the_step[multigpu_torchrun]",
     "test_gradients_are_clipped_by_the_global_norm_of_the_step[fsdp]",
+    "test_nothing_non_finite_is_saved_and_a_diverged_run_is_not_retried[fsdp-stop]",
+    "test_nothing_non_finite_is_saved_and_a_diverged_run_is_not_retried[multinode-loss]",
+    "test_a_rank_that_stops_answering_ends_the_job_and_torchrun_restarts_it",
+    "test_a_stop_under_restarts_stops_the_job",
+    "test_fsdp_saves_and_loads_adamws_state_for_any_grouping",
+    # test_errors.py
+    "test_a_bad_flag_under_torchrun_is_said_once_and_not_retried",
 }
 FLOOR_RUNS = {
     *(f"reference-{stage}" for stage in STAGES),
@@ -828,6 +835,8 @@ FLOOR_RUNS = {
     *("cross", "cross-fsdp", "exit-single_gpu", "exit-multigpu", "exit-multinode"),
     *("error-single_gpu", "torchrun-raise", "periodic-fsdp", "periodic-resume-fsdp"),
     *("clip-single_gpu", "clip-multigpu_torchrun", "clip-fsdp"),
+    *("nan-stop-fsdp", "nan-loss-multinode", "hung", "stop-restarts", "stop-restarts-resume"),
+    "bad-flag",
 }
 
 
