@@ -3,15 +3,14 @@
     python multigpu.py 50 10
 
 50 10 trains 50 epochs and saves a snapshot every 10 (without the numbers: 5 and 5). Ctrl-C,
-SIGTERM or SIGUSR1 stops the run after an optimizer step and saves a snapshot: in one process the
-step in which the signal arrives, with several the next one, which every process agrees on. The
-same command resumes the run. A second Ctrl-C ends it at once, unsaved.
+SIGTERM or SIGUSR1 stops the run and saves a snapshot after the first optimizer step that ends
+after the signal; with several processes one step later, so that all stop after the same step. A
+signal after the last step lets the run finish. The same command resumes the run. A second Ctrl-C
+ends it at once, unsaved.
 """
 
 import argparse
-import atexit
 import contextlib
-import hashlib
 import itertools
 import math
 import os
@@ -47,12 +46,9 @@ def note_stop_signal(signum: int, frame: object) -> None:
 
 
 def start_loader_worker(worker_id: int) -> None:
-    """A loader worker ignores the stop signals (its training process stops and saves) and
-    dies with that process."""
+    """A loader worker ignores the stop signals: its training process stops and saves."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    # The kernel ends the worker when its training process dies, even if the worker hangs.
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)
 
 
 def setup(local_rank: int, global_rank: int) -> torch.device:
@@ -63,8 +59,6 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     # never more than its CPU set: an srun task bound to its own cores may use only those.
     node = int(os.environ.get("SLURM_CPUS_ON_NODE", cores))
     torch.set_num_threads(max(1, min(cores, node // local_world_size)))
-    # If its launcher dies (killed, or ended by a signal it does not handle), it stops and saves.
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGTERM)
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL needs a GPU of its own for each process
         error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
@@ -108,6 +102,24 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
     if train.classes != val.classes:
         raise ValueError(f"--data_dir {data_dir}: train/ and val/ need the same class folders")
     return train, val, len(train.classes)
+
+
+class SeededSamples(Dataset):
+    """Seeds each sample's random draws (an image's crop and flip) from the run's seed, the epoch
+    and the sample's index, so that neither the number of loader processes nor a resume changes
+    them."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0  # the trainer sets it as each epoch starts
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple:
+        torch.manual_seed(hash((self.seed, self.epoch, index)))
+        return self.dataset[index]
 
 
 class EpochSampler(DistributedSampler):
@@ -164,14 +176,6 @@ def load_snapshot(
 ) -> tuple:
     """Loads the snapshot, if there is one, into the model and optimizer. Returns where to
     resume: the epochs done, then the samples trained and their loss sum in the next one."""
-    # The ranks compare the file's content: a copy of another epoch can have the same size.
-    digest = None
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    digests = [None] * dist.get_world_size()  # every rank must load the same file, or none
-    dist.all_gather_object(digests, digest)
-    if digests != [digests[0]] * len(digests):
-        raise ValueError(f"ranks resume from different snapshots: share {path}")
     if not os.path.exists(path):
         return 0, 0, 0.0
     try:
@@ -203,7 +207,9 @@ def save_snapshot(path: str, snapshot: dict) -> bool:
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
             os.remove(f"{path}.tmp")
-        print(f"error: cannot save {path}: {e}; the last snapshot is kept", file=sys.stderr)
+        print(
+            f"error: cannot save {path}: {e}; the last snapshot, if any, is kept", file=sys.stderr
+        )
         return False
 
 
@@ -225,6 +231,7 @@ class Trainer:
         self.args = args
         self.run = run
         self.global_rank = dist.get_rank()
+        self.launcher = os.getppid()  # the process that started this one: spawn's, or torchrun
         self.save_at = time.monotonic() + 60 * (args.save_minutes or math.inf)
         self.unsaved_steps = 0
         # The GPU copies here whether the loss is still finite; a read a step later never waits.
@@ -250,6 +257,8 @@ class Trainer:
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
         saved = True
+        # Every rank comes to the save within TIMEOUT: only the wait for rank 0's write is longer.
+        dist.barrier(self.cpu_group)
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
@@ -289,6 +298,7 @@ class Trainer:
         save is due or the loss is NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
+        self.train_data.dataset.epoch = epoch  # it seeds each sample's crop and flip
         # A resumed epoch starts after the last step it trained.
         first = math.ceil(samples / (sampler.num_replicas * self.args.batch_size))
         sampler.start = first * self.args.batch_size
@@ -313,6 +323,8 @@ class Trainer:
             self.vote.wait()
             stopped, due, diverged = self.stop.tolist()
             due_now = time.monotonic() > self.save_at
+            if os.getppid() != self.launcher:  # the launcher died (SIGKILL): stop and save
+                stop_signals.append(signal.SIGTERM)
             self.stop = torch.tensor([max(stop_signals, default=0), due_now, not self.finite])
             self.finite.copy_(loss_sum.isfinite(), non_blocking=True)
             self.vote = dist.all_reduce(self.stop, dist.ReduceOp.MAX, self.cpu_group, async_op=True)
@@ -377,6 +389,8 @@ class Trainer:
     def _diverged(self, epoch: int, what: str) -> int:
         if self.global_rank == 0:
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
+            if not os.path.exists(self.args.snapshot_path):
+                since = f"{self.unsaved_steps} steps into the run, before any snapshot"
             error = f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}"
             print(error, file=sys.stderr)
         return 1
@@ -396,15 +410,13 @@ def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
     """The training and held-out loaders. Loader processes prepare batches while the GPU
-    computes."""
+    computes; they start anew each epoch, so that they see the epoch that seeds the crops."""
     workers = args.workers
     if workers is None:
         workers = min(8, torch.get_num_threads()) if gpu else 0
-    load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
-    load.update(worker_init_fn=start_loader_worker)
-    if workers:  # forked, since a spawned worker would import torch again
-        load.update(multiprocessing_context="fork")
+    load = dict(num_workers=workers, pin_memory=gpu, worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
+    train_set = SeededSamples(train_set, args.seed)
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
     # BatchNorm cannot train on a batch of one sample: such a last batch is dropped, unless it is
     # the only one.
@@ -441,21 +453,18 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     trainer = Trainer(model, train_data, val_data, device, args, run)
     try:
         code = trainer.train()
-    except Exception as e:  # a rank died or stopped answering, or another fault that may pass
-        if "Timed out" in str(e):  # gloo says so after TIMEOUT
-            waited = f"{TIMEOUT.total_seconds() / 60:g} minutes"
-            print(f"error: rank {global_rank} waited {waited} for a rank that stopped answering")
+    except Exception as e:
+        # A rank that died or hangs fails the collectives: exit code 75 (EX_TEMPFAIL) says that a
+        # new start may succeed. An error of the program's own would come again: exit code 1.
+        lost = isinstance(e, dist.DistError) or "gloo" in str(e)  # gloo's errors are plain
+        if "Timed out" in str(e):
+            print(f"error: rank {global_rank} timed out waiting for a rank that stopped answering")
         else:
             traceback.print_exc()
-        code = 75  # EX_TEMPFAIL, the exit code that says a retry may succeed
+        code = 75 if lost else 1
     del trainer, train_data, val_data  # the loader workers end before the exit functions run
     dist.destroy_process_group()
-    # os._exit skips Python's teardown, which takes seconds with torch loaded, and in which gloo's
-    # threads can abort (pytorch#107298). It skips joining threads that your code started too,
-    # but the atexit handlers run here first, yours included.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    os._exit(code)
+    sys.exit(code)
 
 
 def natural(text: str, least: int = 0) -> int:
@@ -473,103 +482,38 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("epochs", type=positive, nargs="?", help="the same as --total_epochs")
+    parser.add_argument("every", type=positive, nargs="?", help="the same as --save_every")
+    snapshot = os.path.basename(__file__).replace(".py", ".pt")  # single_gpu.pt, say
+    # The flags with a value and a default: the flag, the type of its value, its default, its help.
+    flags = [
+        ("--total_epochs", positive, 5, "epochs to train"),
+        ("--save_every", positive, 5, "save every this many epochs and after the last"),
+        ("--batch_size", positive, 32, "samples per micro-batch and process"),
+        ("--grad_accum", positive, 1, "micro-batches that an optimizer step adds up"),
+        ("--lr", float, 3e-3, "AdamW's peak learning rate"),
+        ("--seed", natural, 0, "seeds the weights, the order of samples and dropout"),
+        ("--snapshot_path", str, snapshot, "the file the run resumes from and saves to"),
+        ("--image_size", positive, 32, "the side of the images in pixels"),
+        ("--arch", str, "convnet", "convnet, or a torchvision classifier such as resnet18"),
+        ("--save_minutes", float, 30.0, "also save inside an epoch this often, 0 for never"),
+        ("--grad_clip", float, 0.0, "clip each step's gradient to this global norm, 0 for never"),
+    ]
+    for flag, kind, default, text in flags:
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
+    augment = ["none", "crop", "flip", "crop+flip"]
+    text = "random crops and flips of your training images (default: %(default)s)"
+    parser.add_argument("--augment", default="none", choices=augment, help=text)
+    text = "bf16 trains in bfloat16, with float32 weights (default: %(default)s)"
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help=text)
+    text = "images in DIR/train/CLASS/ and DIR/val/CLASS/ (default: built-in images)"
+    parser.add_argument("--data_dir", help=text)
+    text = "loader processes per process (default: 8 on GPUs, at most its threads; 0 on a CPU)"
+    parser.add_argument("--workers", type=natural, help=text)
+    text = "deterministic GPU kernels, for resumes bit for bit on GPUs"
+    parser.add_argument("--deterministic", action="store_true", help=text)
     parser.add_argument(
-        "epochs", type=positive, nargs="?", help="epochs to train: the same as --total_epochs"
-    )
-    parser.add_argument(
-        "every",
-        type=positive,
-        nargs="?",
-        help="save every this many epochs: the same as --save_every",
-    )
-    parser.add_argument(
-        "--total_epochs", type=positive, default=5, help="epochs to train (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--save_every",
-        type=positive,
-        default=5,
-        help="save every this many epochs and after the last (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--batch_size",
-        type=positive,
-        default=32,
-        help="samples per micro-batch and process (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--grad_accum",
-        type=positive,
-        default=1,
-        help="micro-batches that an optimizer step adds up (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--lr", type=float, default=3e-3, help="AdamW's peak learning rate (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--seed",
-        type=natural,
-        default=0,
-        help="seeds the weights, the order of samples and dropout (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--snapshot_path",
-        default=os.path.basename(__file__).replace(".py", ".pt"),
-        help="the file the run resumes from and saves to (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--data_dir",
-        help="images in DIR/train/CLASS/ and DIR/val/CLASS/ (default: built-in images)",
-    )
-    parser.add_argument(
-        "--image_size",
-        type=positive,
-        default=32,
-        help="the side of the images in pixels (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--augment",
-        default="none",
-        choices=["none", "crop", "flip", "crop+flip"],
-        help="random crops and flips of your training images (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--arch",
-        default="convnet",
-        help="convnet, or a torchvision classifier such as resnet18 (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--precision",
-        default="fp32",
-        choices=["fp32", "bf16"],
-        help="bf16 computes in bfloat16, with float32 weights (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="deterministic GPU kernels, for resumes bit for bit on GPUs",
-    )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="compile the model with torch.compile (slower to start)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=natural,
-        help="loader processes per process (default: 8 on GPUs, at most its threads; 0 on a CPU)",
-    )
-    parser.add_argument(
-        "--save_minutes",
-        type=float,
-        default=30.0,
-        help="also save inside an epoch this often, 0 for never (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--grad_clip",
-        type=float,
-        default=0.0,
-        help="clip each step's gradient to this global norm, 0 for never (default: %(default)s)",
+        "--compile", action="store_true", help="compile the model (slower to start)"
     )
     parser.add_argument(
         "--world_size",

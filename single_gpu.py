@@ -3,9 +3,10 @@
     python single_gpu.py 50 10
 
 50 10 trains 50 epochs and saves a snapshot every 10 (without the numbers: 5 and 5). Ctrl-C,
-SIGTERM or SIGUSR1 stops the run after an optimizer step and saves a snapshot: in one process the
-step in which the signal arrives, with several the next one, which every process agrees on. The
-same command resumes the run. A second Ctrl-C ends it at once, unsaved.
+SIGTERM or SIGUSR1 stops the run and saves a snapshot after the first optimizer step that ends
+after the signal; with several processes one step later, so that all stop after the same step. A
+signal after the last step lets the run finish. The same command resumes the run. A second Ctrl-C
+ends it at once, unsaved.
 """
 
 import argparse
@@ -16,7 +17,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Iterator
 
 import torch
@@ -40,12 +40,9 @@ def note_stop_signal(signum: int, frame: object) -> None:
 
 
 def start_loader_worker(worker_id: int) -> None:
-    """A loader worker ignores the stop signals (its training process stops and saves) and
-    dies with that process."""
+    """A loader worker ignores the stop signals: its training process stops and saves."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    # The kernel ends the worker when its training process dies, even if the worker hangs.
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)
 
 
 def setup() -> torch.device:
@@ -86,6 +83,24 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
     if train.classes != val.classes:
         raise ValueError(f"--data_dir {data_dir}: train/ and val/ need the same class folders")
     return train, val, len(train.classes)
+
+
+class SeededSamples(Dataset):
+    """Seeds each sample's random draws (an image's crop and flip) from the run's seed, the epoch
+    and the sample's index, so that neither the number of loader processes nor a resume changes
+    them."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0  # the trainer sets it as each epoch starts
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple:
+        torch.manual_seed(hash((self.seed, self.epoch, index)))
+        return self.dataset[index]
 
 
 class EpochSampler(RandomSampler):
@@ -177,7 +192,9 @@ def save_snapshot(path: str, snapshot: dict) -> bool:
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
             os.remove(f"{path}.tmp")
-        print(f"error: cannot save {path}: {e}; the last snapshot is kept", file=sys.stderr)
+        print(
+            f"error: cannot save {path}: {e}; the last snapshot, if any, is kept", file=sys.stderr
+        )
         return False
 
 
@@ -249,6 +266,7 @@ class Trainer:
         save is due or the loss is NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
+        self.train_data.dataset.epoch = epoch  # it seeds each sample's crop and flip
         # A resumed epoch starts after the last step it trained.
         first = math.ceil(samples / self.args.batch_size)
         sampler.start = first * self.args.batch_size
@@ -327,6 +345,8 @@ class Trainer:
     def _diverged(self, epoch: int, what: str) -> int:
         if self.global_rank == 0:
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
+            if not os.path.exists(self.args.snapshot_path):
+                since = f"{self.unsaved_steps} steps into the run, before any snapshot"
             error = f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}"
             print(error, file=sys.stderr)
         return 1
@@ -346,13 +366,13 @@ def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
     """The training and held-out loaders. Loader processes prepare batches while the GPU
-    computes."""
+    computes; they start anew each epoch, so that they see the epoch that seeds the crops."""
     workers = args.workers
     if workers is None:
         workers = min(8, torch.get_num_threads()) if gpu else 0
-    load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
-    load.update(worker_init_fn=start_loader_worker)
+    load = dict(num_workers=workers, pin_memory=gpu, worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
+    train_set = SeededSamples(train_set, args.seed)
     # BatchNorm cannot train on a batch of one sample: such a last batch is dropped, unless it is
     # the only one.
     one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
@@ -383,11 +403,7 @@ def main(args: argparse.Namespace) -> int:
     run["batch"] = args.batch_size * args.grad_accum
     train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
     trainer = Trainer(model, train_data, val_data, device, args, run)
-    try:
-        return trainer.train()
-    except Exception:  # a fault that may pass: exit code 75 (EX_TEMPFAIL) asks for a retry
-        traceback.print_exc()
-        return 75
+    return trainer.train()
 
 
 def natural(text: str, least: int = 0) -> int:
@@ -405,103 +421,38 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("epochs", type=positive, nargs="?", help="the same as --total_epochs")
+    parser.add_argument("every", type=positive, nargs="?", help="the same as --save_every")
+    snapshot = os.path.basename(__file__).replace(".py", ".pt")  # single_gpu.pt, say
+    # The flags with a value and a default: the flag, the type of its value, its default, its help.
+    flags = [
+        ("--total_epochs", positive, 5, "epochs to train"),
+        ("--save_every", positive, 5, "save every this many epochs and after the last"),
+        ("--batch_size", positive, 32, "samples per micro-batch and process"),
+        ("--grad_accum", positive, 1, "micro-batches that an optimizer step adds up"),
+        ("--lr", float, 3e-3, "AdamW's peak learning rate"),
+        ("--seed", natural, 0, "seeds the weights, the order of samples and dropout"),
+        ("--snapshot_path", str, snapshot, "the file the run resumes from and saves to"),
+        ("--image_size", positive, 32, "the side of the images in pixels"),
+        ("--arch", str, "convnet", "convnet, or a torchvision classifier such as resnet18"),
+        ("--save_minutes", float, 30.0, "also save inside an epoch this often, 0 for never"),
+        ("--grad_clip", float, 0.0, "clip each step's gradient to this global norm, 0 for never"),
+    ]
+    for flag, kind, default, text in flags:
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
+    augment = ["none", "crop", "flip", "crop+flip"]
+    text = "random crops and flips of your training images (default: %(default)s)"
+    parser.add_argument("--augment", default="none", choices=augment, help=text)
+    text = "bf16 trains in bfloat16, with float32 weights (default: %(default)s)"
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help=text)
+    text = "images in DIR/train/CLASS/ and DIR/val/CLASS/ (default: built-in images)"
+    parser.add_argument("--data_dir", help=text)
+    text = "loader processes per process (default: 8 on GPUs, at most its threads; 0 on a CPU)"
+    parser.add_argument("--workers", type=natural, help=text)
+    text = "deterministic GPU kernels, for resumes bit for bit on GPUs"
+    parser.add_argument("--deterministic", action="store_true", help=text)
     parser.add_argument(
-        "epochs", type=positive, nargs="?", help="epochs to train: the same as --total_epochs"
-    )
-    parser.add_argument(
-        "every",
-        type=positive,
-        nargs="?",
-        help="save every this many epochs: the same as --save_every",
-    )
-    parser.add_argument(
-        "--total_epochs", type=positive, default=5, help="epochs to train (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--save_every",
-        type=positive,
-        default=5,
-        help="save every this many epochs and after the last (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--batch_size",
-        type=positive,
-        default=32,
-        help="samples per micro-batch and process (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--grad_accum",
-        type=positive,
-        default=1,
-        help="micro-batches that an optimizer step adds up (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--lr", type=float, default=3e-3, help="AdamW's peak learning rate (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--seed",
-        type=natural,
-        default=0,
-        help="seeds the weights, the order of samples and dropout (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--snapshot_path",
-        default=os.path.basename(__file__).replace(".py", ".pt"),
-        help="the file the run resumes from and saves to (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--data_dir",
-        help="images in DIR/train/CLASS/ and DIR/val/CLASS/ (default: built-in images)",
-    )
-    parser.add_argument(
-        "--image_size",
-        type=positive,
-        default=32,
-        help="the side of the images in pixels (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--augment",
-        default="none",
-        choices=["none", "crop", "flip", "crop+flip"],
-        help="random crops and flips of your training images (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--arch",
-        default="convnet",
-        help="convnet, or a torchvision classifier such as resnet18 (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--precision",
-        default="fp32",
-        choices=["fp32", "bf16"],
-        help="bf16 computes in bfloat16, with float32 weights (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="deterministic GPU kernels, for resumes bit for bit on GPUs",
-    )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="compile the model with torch.compile (slower to start)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=natural,
-        help="loader processes per process (default: 8 on GPUs, at most its threads; 0 on a CPU)",
-    )
-    parser.add_argument(
-        "--save_minutes",
-        type=float,
-        default=30.0,
-        help="also save inside an epoch this often, 0 for never (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--grad_clip",
-        type=float,
-        default=0.0,
-        help="clip each step's gradient to this global norm, 0 for never (default: %(default)s)",
+        "--compile", action="store_true", help="compile the model (slower to start)"
     )
     args = parser.parse_args()
     if not 0 < args.lr < float("inf"):

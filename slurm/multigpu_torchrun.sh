@@ -1,6 +1,6 @@
 #!/bin/bash
-# Stage 3 on a Slurm cluster: torchrun on one node starts one process per allocated GPU (CPU_PROCS on a CPU-only node)
-# and restarts them all from the last snapshot if one fails (--max-restarts).
+# Stage 3 on a Slurm cluster: torchrun on one node starts one process per allocated GPU
+# (CPU_PROCS on a CPU-only node); if one fails, the job is requeued from the last snapshot as below.
 # Submit from the repository root with your Python environment active:
 #   sbatch slurm/multigpu_torchrun.sh [total_epochs save_every flags...]   (default: 50 10)
 #   sbatch --gpus-per-node=0 slurm/multigpu_torchrun.sh                    (a CPU-only cluster)
@@ -20,15 +20,14 @@ set -euo pipefail
 set -- --total_epochs 50 --save_every 10 "$@"  # the default 50 10: your arguments come after and win
 nproc=${SLURM_GPUS_ON_NODE:-0}
 [ "$nproc" -gt 0 ] || nproc=${CPU_PROCS:-2}
-# Restarted workers must not meet the dead ones' addresses in torchrun's shared store (pytorch/pytorch#135712).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # Stopped by a signal, torchrun gives its workers this long to save before it kills them (30 s by default). It
 # passes on SIGUSR1 too, as --signals-to-handle below asks: a time-limit warning sent to the job's steps.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
-# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM or USR1), the
-# run saves where it stands and torchrun exits with an error; then this job requeues itself and resumes there. One
-# log. An error line from the run (bad input, a diverged run, a snapshot that cannot be read or written) would come
-# again: the run then ends torchrun at once (exit status 137), and the job ends without a requeue.
+# The run's exit status says what happened, and this script decides whether the job starts again. A run stopped
+# early (the time-limit warning asked for above, scancel --signal=TERM or USR1, a lost or hung rank) that saved
+# progress in this start is requeued and resumes there; one log. A run that saved nothing in this start is not
+# requeued: an error that would come again (bad input, a diverged run, a snapshot that cannot be read or written)
+# so costs at most one more start. A job that Slurm ends (scancel, a preemption) is not requeued by this script.
 snapshot=${SNAPSHOT:-multigpu_torchrun.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
 args=("$@")
 for i in "${!args[@]}"; do
@@ -43,21 +42,21 @@ echo "Job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)) (requeued ${SL
 saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # opened: fresh on NFS too
 before=$(saved || true)
 trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
-trap 'ended=1' TERM  # Slurm ends the job (scancel, a preemption): the run stops and saves; so does this
+trap 'ended=1' TERM  # Slurm ends the job (scancel, a preemption): the run stops and saves, and this ends
 status=0
-srun torchrun --standalone --nproc_per_node="$nproc" --max-restarts=3 \
+srun torchrun --standalone --nproc_per_node="$nproc" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     multigpu_torchrun.py --snapshot_path "$snapshot" "$@" &
 wait $! || wait $! || status=$?  # again when a trap interrupted the first wait: the run's own status
 if [ -n "${ended:-}" ]; then
-    echo "Ended by Slurm (SIGTERM to the job), its progress saved in $snapshot: submit it again to go on"
+    kept="its progress saved in $snapshot"
+    [ "$(saved || true)" != "$before" ] || kept="nothing saved in $snapshot since this start"
+    echo "Ended by Slurm (SIGTERM to the job), $kept: submit it again to go on"
     exit "$status"
 fi
-if [ "$status" -eq 137 ]; then  # torchrun ended by the run itself, after an error line
-    echo "Ended on an error that a new start would meet again (above): not requeued"
-    exit "$status"
-fi
-if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
+if [ "$status" -ne 0 ] && [ "$(saved || true)" == "$before" ]; then  # nothing saved: it would fail again
+    echo "Ended early with nothing saved in $snapshot since this start (above): not requeued"
+elif [ "$status" -ne 0 ]; then  # stopped early with its progress saved
     if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-20}" ]; then  # stopped early at every start
         echo "Stopped early with its progress saved in $snapshot, again: not requeued after ${MAX_REQUEUES:-20} requeues"
         exit "$status"

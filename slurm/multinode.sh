@@ -25,16 +25,15 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}  # one per job, so two jobs on one head node do not collide
 # Several network interfaces? Name the one the nodes share: export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0
 # NCCL_DEBUG=INFO shows how NCCL connects the nodes; useful when a job hangs at start.
-# Restarted workers must not meet the dead ones' addresses in torchrun's shared store (pytorch/pytorch#135712).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # Stopped by a signal, torchrun gives its workers this long to save before it kills them (30 s by default). It
 # passes on SIGUSR1 too, as --signals-to-handle below asks: a time-limit warning sent to the job's steps.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
 srun --label hostname  # which nodes the job spans
-# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM or USR1), the
-# run saves where it stands and torchrun exits with an error; then this job requeues itself and resumes there. One
-# log. An error line from the run (bad input, a diverged run, a snapshot that cannot be read or written) would come
-# again: the run then ends torchrun at once (exit status 137), and the job ends without a requeue.
+# The run's exit status says what happened, and this script decides whether the job starts again. A run stopped
+# early (the time-limit warning asked for above, scancel --signal=TERM or USR1, a lost or hung rank) that saved
+# progress in this start is requeued and resumes there; one log. A run that saved nothing in this start is not
+# requeued: an error that would come again (bad input, a diverged run, a snapshot that cannot be read or written)
+# so costs at most one more start. A job that Slurm ends (scancel, a preemption) is not requeued by this script.
 snapshot=${SNAPSHOT:-multinode.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
 args=("$@")
 for i in "${!args[@]}"; do
@@ -49,22 +48,22 @@ echo "Job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)) (requeued ${SL
 saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # opened: fresh on NFS too
 before=$(saved || true)
 trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
-trap 'ended=1' TERM  # Slurm ends the job (scancel, a preemption): the run stops and saves; so does this
+trap 'ended=1' TERM  # Slurm ends the job (scancel, a preemption): the run stops and saves, and this ends
 status=0
-srun --kill-on-bad-exit=1 torchrun --nnodes="$SLURM_NNODES" --nproc_per_node="$nproc" --max-restarts=3 \
+srun --kill-on-bad-exit=1 torchrun --nnodes="$SLURM_NNODES" --nproc_per_node="$nproc" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" \
     multinode.py --snapshot_path "$snapshot" "$@" &
 wait $! || wait $! || status=$?  # again when a trap interrupted the first wait: the run's own status
 if [ -n "${ended:-}" ]; then
-    echo "Ended by Slurm (SIGTERM to the job), its progress saved in $snapshot: submit it again to go on"
+    kept="its progress saved in $snapshot"
+    [ "$(saved || true)" != "$before" ] || kept="nothing saved in $snapshot since this start"
+    echo "Ended by Slurm (SIGTERM to the job), $kept: submit it again to go on"
     exit "$status"
 fi
-if [ "$status" -eq 137 ]; then  # torchrun ended by the run itself, after an error line
-    echo "Ended on an error that a new start would meet again (above): not requeued"
-    exit "$status"
-fi
-if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
+if [ "$status" -ne 0 ] && [ "$(saved || true)" == "$before" ]; then  # nothing saved: it would fail again
+    echo "Ended early with nothing saved in $snapshot since this start (above): not requeued"
+elif [ "$status" -ne 0 ]; then  # stopped early with its progress saved
     if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-20}" ]; then  # stopped early at every start
         echo "Stopped early with its progress saved in $snapshot, again: not requeued after ${MAX_REQUEUES:-20} requeues"
         exit "$status"

@@ -1,8 +1,7 @@
 #!/bin/bash
 # Stage 4 on a Slurm cluster without torchrun: srun starts one task per GPU on every node, and each task takes its
 # ranks from Slurm (multinode.py reads SLURM_PROCID, SLURM_LOCALID...). No launcher between Slurm and the trainer:
-# Slurm's signals reach every process directly and the job's exit code is the trainer's own. No restarts of failed
-# processes either: for those, use slurm/multinode.sh (torchrun --max-restarts).
+# Slurm's signals reach every process directly and the job's exit code is the trainer's own.
 # Submit from the repository root with your Python environment active:
 #   sbatch slurm/multinode_srun.sh [total_epochs save_every flags...]                  (default: 50 10)
 #   sbatch --gpus-per-node=0 --ntasks-per-node=2 slurm/multinode_srun.sh               (a CPU-only cluster)
@@ -28,10 +27,11 @@ export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 # Several network interfaces? Name the one the nodes share: export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0
 # NCCL_DEBUG=INFO shows how NCCL connects the nodes; useful when a job hangs at start.
 srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --label hostname  # which nodes the job spans
-# Stopped before its end (the time-limit warning asked for above, a preemption, scancel --signal=TERM or USR1), the
-# run saves where it stands and exits with 128 + the signal; then this job requeues itself and resumes there. One
-# log. Exit code 1 or 2 (one error line: bad input, a diverged run, a snapshot that cannot be read or written) would
-# come again: the job ends without a requeue. Exit code 75 (a fault that may pass) requeues it if it saved.
+# The run's exit status says what happened, and this script decides whether the job starts again. A run stopped
+# early (the time-limit warning asked for above, scancel --signal=TERM or USR1, a lost or hung rank) that saved
+# progress in this start is requeued and resumes there; one log. A run that saved nothing in this start is not
+# requeued: an error that would come again (bad input, a diverged run, a snapshot that cannot be read or written)
+# so costs at most one more start. A job that Slurm ends (scancel, a preemption) is not requeued by this script.
 snapshot=${SNAPSHOT:-multinode.pt}  # the file this script checks: SNAPSHOT, or --snapshot_path among the arguments
 args=("$@")
 for i in "${!args[@]}"; do
@@ -46,19 +46,19 @@ echo "Job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)) (requeued ${SL
 saved() { head -c 1 "$snapshot" >/dev/null 2>&1 && stat -c %y "$snapshot"; }  # opened: fresh on NFS too
 before=$(saved || true)
 trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1  # every process of the run: stop after a step
-trap 'ended=1' TERM  # Slurm ends the job (scancel, a preemption): the run stops and saves; so does this
+trap 'ended=1' TERM  # Slurm ends the job (scancel, a preemption): the run stops and saves, and this ends
 status=0
 srun --kill-on-bad-exit=1 python multinode.py --snapshot_path "$snapshot" "$@" &
 wait $! || wait $! || status=$?  # again when a trap interrupted the first wait: the run's own status
 if [ -n "${ended:-}" ]; then
-    echo "Ended by Slurm (SIGTERM to the job), its progress saved in $snapshot: submit it again to go on"
+    kept="its progress saved in $snapshot"
+    [ "$(saved || true)" != "$before" ] || kept="nothing saved in $snapshot since this start"
+    echo "Ended by Slurm (SIGTERM to the job), $kept: submit it again to go on"
     exit "$status"
 fi
-if [ "$status" -eq 1 ] || [ "$status" -eq 2 ]; then  # an error line from the run
-    echo "Ended on an error that a new start would meet again (above): not requeued"
-    exit "$status"
-fi
-if [ "$status" -ne 0 ] && [ "$(saved || true)" != "$before" ]; then  # not a finished run, nor an error
+if [ "$status" -ne 0 ] && [ "$(saved || true)" == "$before" ]; then  # nothing saved: it would fail again
+    echo "Ended early with nothing saved in $snapshot since this start (above): not requeued"
+elif [ "$status" -ne 0 ]; then  # stopped early with its progress saved
     if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-20}" ]; then  # stopped early at every start
         echo "Stopped early with its progress saved in $snapshot, again: not requeued after ${MAX_REQUEUES:-20} requeues"
         exit "$status"

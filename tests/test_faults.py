@@ -194,12 +194,12 @@ def test_gradients_are_clipped_by_the_global_norm_of_the_step(runs, stage):
 
 
 @pytest.mark.parametrize(("stage", "case"), DIVERGED)
-def test_nothing_non_finite_is_saved_and_a_diverged_run_is_not_retried(runs, stage, case):
+def test_nothing_non_finite_is_saved(runs, stage, case):
     """Every weight NaN after the last update before a save (an epoch's end, the clock, a stop):
     the save is refused with one line that says where, and the last good snapshot stays as it
     was. A NaN loss far from any save ends the run within two steps (three where the ranks agree
-    a step late), not at the epoch's end. Under torchrun --max-restarts nothing restarts: the run
-    ends its torchrun (exit status 137 in a shell)."""
+    a step late), not at the epoch's end, and the line says that nothing was saved yet. Exit code
+    1: an error that a new start would meet again."""
     cwd, run = runs[f"nan-{case}-{stage}"]
     late = int(stage != "single_gpu")  # the step that the ranks' vote adds
     what, epoch, steps, kept, logged = {  # logged: the epochs whose line was printed
@@ -210,8 +210,10 @@ def test_nothing_non_finite_is_saved_and_a_diverged_run_is_not_retried(runs, sta
     }[case]
     errors = [line for line in run.output.splitlines() if line.startswith("error:")]
     where = f"in epoch {epoch}, {steps} steps after the last snapshot, which is kept"
+    if kept is None:
+        where = f"in epoch {epoch}, {steps} steps into the run, before any snapshot"
     assert errors == [f"error: {what} is NaN or infinite {where}"], run.output
-    assert run.returncode == (1 if stage == "single_gpu" else -9), run.output
+    assert run.returncode == 1, run.output
     assert [e[0] for e in run.epochs()] == logged and "resumed" not in run.output, run.output
     assert "stopped in epoch" not in run.output and not list(cwd.glob("*.tmp")), run.output
     if kept is None:
@@ -223,16 +225,17 @@ def test_nothing_non_finite_is_saved_and_a_diverged_run_is_not_retried(runs, sta
 
 
 def test_ranks_whose_snapshots_differ_only_in_content_stop_together(runs):
-    """Two nodes, each with its own copy: of the same size, one bit apart (a stale copy, or
-    another epoch of the same run). One error line, nobody trains, both files stay as they were."""
+    """Two nodes, each with its own copy: of the same size, epoch and samples, from another save
+    (a stale copy: each save draws its own id). One error line, nobody trains, both files stay as
+    they were."""
     cwd, run = runs["stale"]
     assert run.returncode != 0 and run.output.count("error: ") == 1, run.output
     assert "error: ranks resume from different snapshots" in run.output, run.output
     assert "Epoch" not in run.output, run.output
     node1 = cwd.parent / cwd.name.replace("stale0", "stale1")  # pytest numbers both
     ours, theirs = (cwd / "snapshot.pt").read_bytes(), (node1 / "snapshot.pt").read_bytes()
-    assert len(ours) == len(theirs) and sum(a != b for a, b in zip(ours, theirs, strict=True)) == 1
-    assert load(cwd / "snapshot.pt")["epoch"] == 2
+    assert len(ours) == len(theirs) and ours != theirs
+    assert load(cwd / "snapshot.pt")["epoch"] == load(node1 / "snapshot.pt")["epoch"] == 2
 
 
 def test_a_rank_that_stops_answering_ends_the_job_and_torchrun_restarts_it(reference_runs, runs):
@@ -242,7 +245,7 @@ def test_a_rank_that_stops_answering_ends_the_job_and_torchrun_restarts_it(refer
     rank 0 would wait for gloo's 30 minutes."""
     cwd, run = runs["hung"]
     assert run.returncode == 0, run.output
-    line = "error: rank 0 waited 5 minutes for a rank that stopped answering"
+    line = "error: rank 0 timed out waiting for a rank that stopped answering"
     assert run.output.count(line) == 1 and "(exitcode: 75)" in run.output, run.output
     assert "snapshot.pt: resumed after epoch 1, 2 to go" in run.output, run.output
     final = reference_runs["multigpu_torchrun"][0] / f"snapshot.pt.epoch{EPOCHS}"
@@ -257,16 +260,33 @@ def test_a_slow_save_does_not_end_the_job(runs):
     assert load(cwd / "snapshot.pt")["epoch"] == 1
 
 
-def test_a_stop_under_restarts_stops_the_job(reference_runs, runs):
+def test_a_stop_to_one_worker_under_restarts_is_restarted_and_ends_exactly(reference_runs, runs):
     """SIGTERM to rank 1 alone under torchrun --max-restarts=1: every rank stops after the same
-    step, rank 0 saves, and torchrun ends (exit code 1) instead of restarting the job; the same
-    command again ends on the uninterrupted model."""
-    cwd, stopped = runs["stop-restarts"]
-    assert stopped.returncode == 1, stopped.output
-    stops = [line for line in stopped.output.splitlines() if "stopped in epoch 2 after" in line]
-    assert len(stops) == 1 and stops[0].startswith("SIGTERM: "), stopped.output
-    assert "resumed" not in stopped.output and "Epoch 2 " not in stopped.output, stopped.output
-    _, resumed = runs["stop-restarts-resume"]
-    assert resumed.returncode == 0, resumed.output
+    step and rank 0 saves; torchrun restarts every failure, this exit too, and the restart
+    resumes where the stop saved and ends on the uninterrupted model. (A stop meant for the job
+    goes to torchrun: README.)"""
+    cwd, run = runs["stop-restarts"]
+    assert run.returncode == 0, run.output
+    stops = [line for line in run.output.splitlines() if "stopped in epoch 2 after" in line]
+    assert len(stops) == 1 and stops[0].startswith("SIGTERM: "), run.output
+    samples = stops[0].split(" after ")[1].split()[0]
+    resumed = f"snapshot.pt: resumed after epoch 1 and {samples} samples of epoch 2, 2 to go"
+    assert resumed in run.output, run.output
+    final = reference_runs["multigpu_torchrun"][0] / f"snapshot.pt.epoch{EPOCHS}"
+    assert_bitwise_equal(load(cwd / "snapshot.pt"), load(final))
+
+
+def test_a_rank_that_stops_answering_at_a_save_ends_the_job_in_minutes(reference_runs, runs):
+    """Rank 1 stopped (SIGSTOP) once epoch 1's figures are summed, before the save, with every
+    timeout a tenth of the stages' (30 s; the wait for rank 0's write 3 minutes): rank 0 says so
+    within the training timeout, not the save's, torchrun restarts the job, and it ends on the
+    uninterrupted model."""
+    cwd, (code, lines) = runs["hung-save"]
+    output = "\n".join(line for _, line in lines)
+    assert code == 0, output
+    epoch = next(at for at, line in lines if line.startswith("Epoch 1 "))
+    line = "error: rank 0 timed out waiting for a rank that stopped answering"
+    timed_out = [at for at, text in lines if text == line]
+    assert len(timed_out) == 1 and timed_out[0] - epoch < 90, output
     final = reference_runs["multigpu_torchrun"][0] / f"snapshot.pt.epoch{EPOCHS}"
     assert_bitwise_equal(load(cwd / "snapshot.pt"), load(final))

@@ -109,23 +109,26 @@ def test_preempted_job_requeues_itself(slurm_env, slow_runs, tmp_path, name):
 
 
 @pytest.mark.slow
-def test_a_lost_rank_is_restarted_and_an_error_that_recurs_is_not(slurm_env, tmp_path):
+def test_a_lost_rank_is_requeued_and_an_error_that_recurs_costs_one_more_start(slurm_env, tmp_path):
     """slurm/multinode.sh, one process a node, 5 steps an epoch: rank 1 SIGKILLed as epoch 2
-    starts, once; every weight NaN after each process's 7th step. torchrun restarts the job after
-    the kill (a fault that may pass) from epoch 1's snapshot; in epoch 3 the loss turns NaN, as it
-    would at every start, and the job ends for good: one error line, no restart, no requeue,
-    epoch 2's snapshot kept."""
+    starts, once; every weight NaN after the first step of epoch 3, at every start. The first
+    start saved epoch 1, so the job is requeued and resumes from it; in epoch 3 the loss turns NaN,
+    after epoch 2 was saved: requeued once more, the third start resumes from epoch 2 and meets
+    the same NaN with nothing saved, and the job ends for good: no fourth start, epoch 2's
+    snapshot kept."""
     cwd = tmp_path / "repo"
     copy_repo(cwd)
-    hooks = {"FAULT_AT": "kill:1:1", "FAULT_ONCE": str(cwd / "killed"), "FAULT_STEP_NAN": "7"}
+    hooks = {"FAULT_AT": "kill:1:1", "FAULT_ONCE": str(cwd / "killed"), "FAULT_STEP_NAN": "epoch:2"}
     command = ["slurm/multinode.sh", 4, 1, "--batch_size", 64]
     finished = follow(slurm_env, cwd, command, hooks=hooks)
     log = finished["log"]
     assert finished["ended"] == "FAILED", finished["state"] + log
     assert (cwd / "killed").exists() and log.count("resumed after epoch 1, 3 to go") == 1, log
+    assert log.count("resumed after epoch 2, 2 to go") == 1, log
     errors = [line for line in log.splitlines() if line.startswith("error: ")]  # not srun's
-    assert len(errors) == 1 and "the loss is NaN or infinite in epoch 3, " in errors[0], log
-    assert "start 2 " not in log and "not requeued" in log, log
+    assert len(errors) == 2, log
+    assert all("the loss is NaN or infinite in epoch 3, " in error for error in errors), log
+    assert "start 3 " in log and "start 4 " not in log and "not requeued" in log, log
     assert load(cwd / "multinode.pt")["epoch"] == 2
 
 

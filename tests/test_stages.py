@@ -158,7 +158,6 @@ def test_a_process_takes_its_share_of_the_node(monkeypatch, cores, node, process
     module = stage_module("multinode")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch.multiprocessing, "_prctl_pr_set_pdeathsig", lambda signum: None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
     if node is None:

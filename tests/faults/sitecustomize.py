@@ -33,12 +33,14 @@ themselves carry no test hooks:
   FAULT_CLOCK_RANK=R              ...in rank R alone (its clock runs ahead of the others')
   FAULT_STEP_RAISE=N              rank 0 raises after its N-th optimizer step (an error in a step)
   FAULT_STEP_NAN=N                after its N-th optimizer step, every process sets its weights
-                                  to NaN (a run that diverged)
+                                  to NaN (a run that diverged); epoch:E: after the first step of
+                                  epoch E (0-based), at every start (a run that diverges again)
   FAULT_SIGNAL_RANK=R             FAULT_SIGNAL's rank: R, not 0 (one node's processes signalled)
   FAULT_TIMEOUT_SCALE=F           every process group's timeout, as the stage asks for it, times F
                                   (a hang found in seconds, not minutes)
   FAULT_HANG_AT=RANK:STEP         after its STEP-th optimizer step, that rank stops itself with
-                                  SIGSTOP (a read that never returns); with FAULT_ONCE, only once
+                                  SIGSTOP (a read that never returns); with FAULT_ONCE, only once;
+                                  STEP "figures": once the first epoch's figures are summed
 """
 
 import os
@@ -191,12 +193,27 @@ if os.environ.get("FAULT_STEP_NAN"):
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     _nan_steps = [0]
+    _nan_epoch = [None]  # FAULT_STEP_NAN=epoch:E: the epoch that runs now
+    if os.environ["FAULT_STEP_NAN"].startswith("epoch:"):
+        from torch.utils.data.distributed import DistributedSampler
+
+        _set_epoch_for_nan = DistributedSampler.set_epoch
+
+        def _note_epoch(self, epoch):
+            _nan_epoch[0] = epoch
+            return _set_epoch_for_nan(self, epoch)
+
+        DistributedSampler.set_epoch = _note_epoch
 
     def _nan_after_step(optimizer, *_) -> None:
         import torch
 
         _nan_steps[0] += 1
-        if _nan_steps[0] == int(os.environ["FAULT_STEP_NAN"]):
+        when = os.environ["FAULT_STEP_NAN"]
+        first_of_epoch = when == f"epoch:{_nan_epoch[0]}"
+        if first_of_epoch:
+            _nan_epoch[0] = None  # once in that epoch
+        if first_of_epoch or str(_nan_steps[0]) == when:
             with torch.no_grad():
                 for group in optimizer.param_groups:
                     for param in group["params"]:
@@ -225,19 +242,36 @@ if os.environ.get("FAULT_HANG_AT"):
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    _hang_rank, _hang_step = map(int, os.environ["FAULT_HANG_AT"].split(":"))
+    _hang_rank, _hang_when = os.environ["FAULT_HANG_AT"].split(":")
     _hang_steps = [0]
+
+    def _hang(rank: int) -> None:
+        marker = os.environ.get("FAULT_ONCE", "")
+        if rank == int(_hang_rank) and not (marker and os.path.exists(marker)):
+            if marker:
+                open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    if _hang_when == "figures":  # after the first epoch's figures (4 float64 numbers) are summed
+        import torch
+        import torch.distributed as dist
+
+        _all_reduce = dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            work = _all_reduce(tensor, *args, **kwargs)
+            if tensor.dtype == torch.float64 and tensor.numel() == 4:
+                _hang(dist.get_rank())
+            return work
+
+        dist.all_reduce = all_reduce
 
     def _hang_after_step(*_) -> None:
         import torch.distributed as dist
 
         _hang_steps[0] += 1
-        marker = os.environ.get("FAULT_ONCE", "")
-        done = marker and os.path.exists(marker)
-        if dist.get_rank() == _hang_rank and _hang_steps[0] == _hang_step and not done:
-            if marker:
-                open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGSTOP)
+        if str(_hang_steps[0]) == _hang_when:
+            _hang(dist.get_rank())
 
     register_optimizer_step_post_hook(_hang_after_step)
 
