@@ -484,6 +484,28 @@ def test_augmentation_keeps_the_class_unless_asked(tmp_path):
     assert any(isinstance(t, T.RandomHorizontalFlip) for t in both.transform.transforms)
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_augmentation_draws_alike_whatever_the_workers_and_the_resume(tmp_path):
+    """crop+flip: each image's crop and flip come from the seed, the epoch and its index, so an
+    epoch's batches are the same with 0 or 2 loader workers, a resumed epoch's batches are those
+    the uninterrupted epoch gives from there on, and another epoch draws anew."""
+    make_image_tree(tmp_path, classes=2, train=8, val=1)
+    train, val, _ = single_gpu().load_datasets(str(tmp_path), 32, "crop+flip")
+
+    def batches(workers: int, epoch: int = 1, start: int = 0) -> list:
+        args = argparse.Namespace(workers=workers, batch_size=4, seed=0)
+        loader, _ = single_gpu().prepare_dataloaders(train, val, args, gpu=False)
+        loader.sampler.set_epoch(epoch)
+        loader.dataset.epoch = epoch  # as the trainer sets it
+        loader.sampler.start = start
+        return [images for images, _ in loader]
+
+    whole = batches(0)
+    assert len(whole) == 4 and all(map(torch.equal, whole, batches(2)))
+    assert all(map(torch.equal, whole[2:], batches(2, start=8)))
+    assert not all(map(torch.equal, whole, batches(0, epoch=2)))
+
+
 def test_learning_rate_warms_up_then_decays_to_zero():
     """Linear from 0 to --lr over the first 10% of the run, then linear to 0 at its end."""
 
