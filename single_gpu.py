@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 
 import torch
@@ -403,7 +404,11 @@ def main(args: argparse.Namespace) -> int:
     run["batch"] = args.batch_size * args.grad_accum
     train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
     trainer = Trainer(model, train_data, val_data, device, args, run)
-    return trainer.train()
+    try:
+        return trainer.train()
+    except Exception:  # an error of the program's own: exit code 1, once the loader workers end
+        traceback.print_exc()
+        return 1
 
 
 def natural(text: str, least: int = 0) -> int:

@@ -6,18 +6,22 @@ bounds none can beat.
     python benchmarks/gpu_throughput.py --compile  # the stages alone, every run compiled
     python benchmarks/gpu_throughput.py --device cpu --images 256 --batches 16 --seconds 1
 
-For every batch size and precision it measures, in this order:
-  loader     the stages' data loader alone (same folder, transforms, workers, pinned memory)
-  bare step  ResNet-18's training step on tensors already on the GPU, with the stages' optimizer,
-             precision, memory layout and (with --compile) compiler: no data loading at all
+It measures, in this order:
+  loader     for each batch size, a loader like the stages' alone (same folder and transforms, up to
+             8 workers, pinned memory; its workers last from epoch to epoch)
+  bare step  for each batch size and precision, ResNet-18's training step on tensors already on the
+             GPU, with the stages' optimizer, precision and (with --compile) compiler: no data
+Then, in the folder it wrote, it repeats the training images (links) until the fastest row's bound,
+min(loader, bare step), needs --seconds for an epoch. Last, for each batch size and precision, the
+runners that --runners names take turns:
   peers      the plain loop of the tutorials, Lightning's Trainer, Fabric and Accelerate
              (benchmarks/peers.py; the last three when they are installed)
   stages     each script as a user launches it on one GPU (world size 1)
 Runners: samples/s of training over wall time, evaluation of the held-out images included, the
-median of epochs 2 and later (the first one pays for start-up). An epoch lasts --seconds (3) or
-more: the folder repeats its images (links) until the fastest bound needs that long for them. The
-runners take turns, in one order and then the reverse, --rounds times (2); each cell is the median
-of its rounds, its spread (max - min, in % of the median) and its share of min(loader, bare step).
+median of epochs 2 and later (the first one pays for start-up); an epoch lasts --seconds (3) or
+more. The runners take turns, in one order and then the reverse, --rounds times (2); each cell is
+the median of its rounds, its spread (max - min, in % of the median) and its share of min(loader,
+bare step). A line of a runner's output with a warning in it is printed as that run ends.
 The default fits one 10-minute session on one GPU; --full is the whole table (about an hour).
 Goal: every stage at least the plain loop and Lightning, and 0.85 of the bound at batch 256.
 """

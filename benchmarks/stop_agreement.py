@@ -5,7 +5,8 @@
 
 Each process does the same work per "step", then checks whether to stop in one of three ways:
   none       no check: the floor
-  blocking   a MAX all-reduce of the noted signal that the step waits for (the stages before)
+  blocking   a MAX all-reduce of three integers, as the stages' vote (a stop signal, a save due,
+             a loss that is not finite), that the step waits for (the stages before)
   overlap    the all-reduce started after the step and read after the next one (the stages now)
 The step's work is a matrix product (--size: every core busy, as on a CPU-only node), or with
 --sleep MS a wait, as a GPU node's host waits for its GPU with cores to spare. Rounds take the

@@ -20,8 +20,8 @@ from conftest import EPOCH_LINE, REPO, STAGES, single_gpu
 README = (REPO / "README.md").read_text()
 # Changed lines to the next stage, and code tokens (Python's tokens outside comments, docstrings
 # and argparse's help strings): no stage grows past these figures. Comments and help are free.
-LIMITS = {"single_gpu": 140, "multigpu": 50, "multigpu_torchrun": 36, "multinode": 123}
-TOKENS = {"single_gpu": 3_741, "multigpu": 4_573, "multigpu_torchrun": 4_446, "multinode": 4_682}
+LIMITS = {"single_gpu": 141, "multigpu": 50, "multigpu_torchrun": 36, "multinode": 123}
+TOKENS = {"single_gpu": 3_755, "multigpu": 4_573, "multigpu_torchrun": 4_446, "multinode": 4_682}
 TOKENS["fsdp"] = 5_532
 
 
