@@ -415,6 +415,8 @@ def prepare_dataloaders(
     if workers is None:
         workers = min(8, torch.get_num_threads()) if gpu else 0
     load = dict(num_workers=workers, pin_memory=gpu, worker_init_fn=start_loader_worker)
+    if workers:  # forked: a rank is spawned, and a spawned worker would import torch every epoch
+        load.update(multiprocessing_context="fork")
     sampler = EpochSampler(train_set, seed=args.seed)
     train_set = SeededSamples(train_set, args.seed)
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))

@@ -757,7 +757,9 @@ def runs(request, tmp_path_factory):
     # A stop signal to rank 1 alone under --max-restarts: every rank stops and saves, and torchrun
     # restarts the job, which resumes there and ends on the uninterrupted model.
     cwd = folder("stop-restarts")
-    env = stage_env(FAULT_SIGNAL="SIGTERM:step:13", FAULT_SIGNAL_RANK="1", **RESTARTS_ENV)
+    once = str(cwd / "signalled")
+    env = stage_env(FAULT_SIGNAL="SIGTERM:step:13", FAULT_SIGNAL_RANK="1", FAULT_ONCE=once)
+    env.update(RESTARTS_ENV)
     args = [EPOCHS, 1, *global_batch_args("multigpu_torchrun")]
     runs.start("stop-restarts", cwd, stage="multigpu_torchrun", args=args, env=env,
                torchrun_args=restart)  # fmt: skip

@@ -4,7 +4,7 @@ themselves carry no test hooks:
   FAULT_AT=raise|kill:RANK:EPOCH  that rank raises, or SIGKILLs itself, as it starts that epoch
                                   (0-based)
   FAULT_ONCE=PATH                 ...only if PATH does not exist yet (it is created first), so a
-                                  restart runs clean
+                                  restart runs clean (FAULT_AT, FAULT_HANG_AT, FAULT_SIGNAL)
   SAVE_KILL_AT=N                  the N-th torch.save of a process writes half the snapshot, then
                                   SIGKILLs itself
   KEEP_SNAPSHOTS=1                after each atomic rename, copy the snapshot to PATH.epochN
@@ -373,11 +373,15 @@ if any(key.startswith(HOOKS) for key in os.environ) or os.environ.get("FAULT_SIG
         _sent = []
 
         def send(when: str) -> None:
+            marker = os.environ.get("FAULT_ONCE", "")
             if (
                 when == _when
                 and _rank() == int(os.environ.get("FAULT_SIGNAL_RANK", 0))
                 and not _sent
+                and not (marker and os.path.exists(marker))
             ):
+                if marker:
+                    open(marker, "w").close()
                 _sent.append(time.time())
                 os.kill(os.getpid(), signal.Signals[_name])
 
