@@ -41,9 +41,13 @@ def note_stop_signal(signum: int, frame: object) -> None:
 
 
 def start_loader_worker(worker_id: int) -> None:
-    """A loader worker ignores the stop signals: its training process stops and saves."""
+    """A loader worker ignores the stop signals (its training process stops and saves) and
+    dies with that process."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    # The kernel kills the worker when its training process dies, even a worker stopped in a read.
+    # torch has no public call for it: test_a_second_ctrl_c_ends_the_job_at_once fails without it.
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)
 
 
 def setup() -> torch.device:
@@ -94,13 +98,14 @@ class SeededSamples(Dataset):
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
-        self.epoch = 0  # the trainer sets it as each epoch starts
+        # The trainer sets the epoch in shared memory, where the loader's workers read it.
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> tuple:
-        torch.manual_seed(hash((self.seed, self.epoch, index)))
+        torch.manual_seed(hash((self.seed, int(self.epoch), index)))
         return self.dataset[index]
 
 
@@ -267,7 +272,7 @@ class Trainer:
         save is due or the loss is NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        self.train_data.dataset.epoch = epoch  # it seeds each sample's crop and flip
+        self.train_data.dataset.epoch.fill_(epoch)  # it seeds each sample's crop and flip
         # A resumed epoch starts after the last step it trained.
         first = math.ceil(samples / self.args.batch_size)
         sampler.start = first * self.args.batch_size
@@ -367,11 +372,12 @@ def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
     """The training and held-out loaders. Loader processes prepare batches while the GPU
-    computes; they start anew each epoch, so that they see the epoch that seeds the crops."""
+    computes."""
     workers = args.workers
     if workers is None:
         workers = min(8, torch.get_num_threads()) if gpu else 0
-    load = dict(num_workers=workers, pin_memory=gpu, worker_init_fn=start_loader_worker)
+    load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
+    load.update(worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
     train_set = SeededSamples(train_set, args.seed)
     # BatchNorm cannot train on a batch of one sample: such a last batch is dropped, unless it is

@@ -457,8 +457,9 @@ def test_a_stop_signal_to_one_node_stops_every_rank(slow_runs, stage):
 def test_sigusr1_to_torchrun_stops_and_saves(slow_runs, handled):
     """SIGUSR1 to torchrun itself (Slurm's --signal=USR1@T without B: signals every process of a
     step). Given --signals-to-handle with SIGUSR1 (the batch files), torchrun passes it on and
-    exits 1. Without it torchrun dies of the signal, and its workers, whose parent died, get
-    SIGTERM: they stop, save and end all the same. Either way the run resumes bit for bit."""
+    exits 1. Without it torchrun dies of the signal, and its workers see at their next step that
+    their parent died: they stop as for SIGTERM, save and end all the same. Either way the run
+    resumes bit for bit."""
     stopped, resumed = slow_runs[f"usr1-to-torchrun-{handled}"]
     name = "SIGUSR1" if handled else "SIGTERM"
     assert stopped["codes"] == [1 if handled else -signal.SIGUSR1], stopped["output"]
