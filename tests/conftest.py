@@ -763,6 +763,16 @@ def runs(request, tmp_path_factory):
     args = [EPOCHS, 1, *global_batch_args("multigpu_torchrun")]
     runs.start("stop-restarts", cwd, stage="multigpu_torchrun", args=args, env=env,
                torchrun_args=restart)  # fmt: skip
+    # Stopped after step 13 on one number of processes and resumed on another, with the global
+    # batch kept (64): 2 processes x 32, then 1 x 32 x 2 micro-batches, and the reverse.
+    two, one = ["--batch_size", 32], ["--batch_size", 32, "--grad_accum", 2]
+    for name, (first, then) in {"2to1": ((2, two), (1, one)), "1to2": ((1, one), (2, two))}.items():
+        cwd = folder(f"ranks-{name}")
+        env = stage_env(FAULT_SIGNAL="SIGTERM:step:13")
+        runs.start(f"ranks-{name}", cwd, stage="multigpu_torchrun", args=[EPOCHS, 1, *first[1]],
+                   nproc=first[0], env=env)  # fmt: skip
+        runs.start(f"ranks-{name}-resumed", cwd, after=f"ranks-{name}", stage="multigpu_torchrun",
+                   args=[EPOCHS, 1, *then[1]], nproc=then[0])  # fmt: skip
     if not narrowed(request.config):  # the floor's tests read only FLOOR_RUNS
         floor = all(item.get_closest_marker("floor") for item in request.session.items)
         runs.prefetch(FLOOR_RUNS if floor else None)

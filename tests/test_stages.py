@@ -796,3 +796,17 @@ def test_fsdp_evaluates_every_held_out_image_once(monkeypatch, world_of_one):
     _, val_data = fsdp().prepare_dataloaders(data, val, args, gpu=False)
     batches = list(val_data)
     assert len(batches) == 1 and batches[0][1].tolist() == [-1], batches
+
+
+@pytest.mark.parametrize("name", ["2to1", "1to2"])
+def test_a_run_resumes_on_another_number_of_processes(reference_runs, runs, name):
+    """Stopped in epoch 2 on 2 processes and resumed on 1 with --grad_accum 2, and the reverse:
+    the global batch stays 64, the resume starts after the samples all ranks trained, and the run
+    ends on the uninterrupted model to rounding (the sums add up in another order)."""
+    cwd, stopped = runs[f"ranks-{name}"]
+    assert stopped.returncode != 0 and "SIGTERM: stopped in epoch 2 after " in stopped.output
+    _, resumed = runs[f"ranks-{name}-resumed"]
+    assert resumed.returncode == 0, resumed.output
+    assert "snapshot.pt: resumed after epoch 1 and " in resumed.output, resumed.output
+    reference = reference_runs["multigpu_torchrun"][0] / f"snapshot.pt.epoch{EPOCHS}"
+    assert_same_model(load(cwd / "snapshot.pt"), load(reference), params=1e-5, moments=1e-3)
