@@ -254,10 +254,11 @@ def blocks(module: nn.Module, limit: int, parts: bool = False) -> Iterator[nn.Mo
 
 
 def units(model: nn.Module) -> list[list[nn.Module]]:
-    """Groups neighbouring blocks into FSDP's units of up to a quarter of the model's parameter
-    bytes. Each unit costs a gather and hooks at every step, so a few large units run faster than
-    many small ones. The largest unit, gathered whole while it runs, sets how much memory a gather
-    needs. The parameters outside every block stay in the root unit, which can be larger."""
+    """Groups neighbouring blocks into FSDP's units: a unit takes the next block while it stays
+    within a quarter of the model's parameter bytes, and a layer larger than that, which cannot be
+    cut, is a unit alone. Each unit costs a gather and hooks at every step, so a few large units
+    run faster than many small ones. The largest unit, gathered whole while it runs, sets how much
+    memory a gather needs. The parameters outside every block stay in the root unit."""
     total = sum(p.nbytes for p in model.parameters())
     grouped, size = [[]], 0
     for block in blocks(model, total // 4):
@@ -630,10 +631,10 @@ if __name__ == "__main__":
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":  # rank 0 alone tells
         sys.stderr = io.StringIO()
     args = parser.parse_args()
-    if not 0 < args.lr < float("inf"):
+    if not 0 < args.lr < math.inf:
         parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
     for name in ("save_minutes", "grad_clip"):
-        if not 0 <= getattr(args, name) < float("inf"):
+        if not 0 <= getattr(args, name) < math.inf:
             parser.error(f"argument --{name}: expected a number >= 0, got {getattr(args, name)}")
     sys.stderr = stderr
     args.total_epochs = args.epochs or args.total_epochs

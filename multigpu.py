@@ -530,10 +530,10 @@ if __name__ == "__main__":
         help="processes to start (default: one per GPU, or 2 without a GPU)",
     )
     args = parser.parse_args()
-    if not 0 < args.lr < float("inf"):
+    if not 0 < args.lr < math.inf:
         parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
     for name in ("save_minutes", "grad_clip"):
-        if not 0 <= getattr(args, name) < float("inf"):
+        if not 0 <= getattr(args, name) < math.inf:
             parser.error(f"argument --{name}: expected a number >= 0, got {getattr(args, name)}")
     args.total_epochs = args.epochs or args.total_epochs
     args.save_every = args.every or args.save_every

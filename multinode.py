@@ -543,10 +543,10 @@ if __name__ == "__main__":
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":  # rank 0 alone tells
         sys.stderr = io.StringIO()
     args = parser.parse_args()
-    if not 0 < args.lr < float("inf"):
+    if not 0 < args.lr < math.inf:
         parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
     for name in ("save_minutes", "grad_clip"):
-        if not 0 <= getattr(args, name) < float("inf"):
+        if not 0 <= getattr(args, name) < math.inf:
             parser.error(f"argument --{name}: expected a number >= 0, got {getattr(args, name)}")
     sys.stderr = stderr
     args.total_epochs = args.epochs or args.total_epochs
