@@ -99,13 +99,13 @@ class SeededSamples(Dataset):
         self.dataset = dataset
         self.seed = seed
         # The trainer sets the epoch in shared memory, where the loader's workers read it.
-        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self.epoch = torch.multiprocessing.Value("q", 0)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> tuple:
-        torch.manual_seed(hash((self.seed, int(self.epoch), index)))
+        torch.manual_seed(hash((self.seed, self.epoch.value, index)))
         return self.dataset[index]
 
 
@@ -272,7 +272,7 @@ class Trainer:
         save is due or the loss is NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        self.train_data.dataset.epoch.fill_(epoch)  # it seeds each sample's crop and flip
+        self.train_data.dataset.epoch.value = epoch  # it seeds each sample's crop and flip
         # A resumed epoch starts after the last step it trained.
         first = math.ceil(samples / self.args.batch_size)
         sampler.start = first * self.args.batch_size

@@ -20,9 +20,9 @@ from conftest import EPOCH_LINE, REPO, STAGES, single_gpu
 README = (REPO / "README.md").read_text()
 # Changed lines to the next stage, and code tokens (Python's tokens outside comments, docstrings
 # and argparse's help strings): no stage grows past these figures. Comments and help are free.
-LIMITS = {"single_gpu": 143, "multigpu": 52, "multigpu_torchrun": 36, "multinode": 124}
-TOKENS = {"single_gpu": 3_795, "multigpu": 4_624, "multigpu_torchrun": 4_486, "multinode": 4_722}
-TOKENS["fsdp"] = 5_572
+LIMITS = {"single_gpu": 149, "multigpu": 52, "multigpu_torchrun": 36, "multinode": 124}
+TOKENS = {"single_gpu": 3_786, "multigpu": 4_629, "multigpu_torchrun": 4_491, "multinode": 4_727}
+TOKENS["fsdp"] = 5_577
 
 
 def changed_lines(a: str, b: str) -> int:

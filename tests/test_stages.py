@@ -496,7 +496,7 @@ def test_augmentation_draws_alike_whatever_the_workers_and_the_resume(tmp_path):
         args = argparse.Namespace(workers=workers, batch_size=4, seed=0)
         loader, _ = single_gpu().prepare_dataloaders(train, val, args, gpu=False)
         loader.sampler.set_epoch(epoch)
-        loader.dataset.epoch.fill_(epoch)  # as the trainer sets it
+        loader.dataset.epoch.value = epoch  # as the trainer sets it
         loader.sampler.start = start
         return [images for images, _ in loader]
 
