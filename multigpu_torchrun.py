@@ -103,9 +103,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
         train = datasets.ImageFolder(f"{data_dir}/train", T.Compose(resize + chosen + to_tensor))
         val = datasets.ImageFolder(f"{data_dir}/val", T.Compose(resize + to_tensor))
     except OSError as e:
-        raise ValueError(
-            f"--data_dir {data_dir}: {e} (expected DIR/{{train,val}}/CLASS/)"
-        ) from None
+        raise ValueError(f"--data_dir {data_dir}: {e} (expects DIR/{{train,val}}/CLASS/)") from None
     if train.classes != val.classes:
         raise ValueError(f"--data_dir {data_dir}: train/ and val/ need the same class folders")
     return train, val, len(train.classes)
@@ -113,17 +111,13 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 class SeededSamples(Dataset):
     """Seeds each sample's random draws (an image's crop and flip) from the run's seed, the epoch
-    and the sample's index, so that neither the number of loader processes nor a resume changes
-    them."""
+    and the sample's index: neither the number of loader processes nor a resume changes them."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
         # The trainer sets the epoch in shared memory, where the loader's workers read it.
         self.epoch = torch.multiprocessing.Value("q", 0)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
 
     def __getitem__(self, index: int) -> tuple:
         torch.manual_seed(hash((self.seed, self.epoch.value, index)))
@@ -179,9 +173,7 @@ def get_lr(step: int, steps: int, peak: float) -> float:
     return peak * min(done / 0.1, (1 - done) / 0.9)
 
 
-def load_snapshot(
-    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict
-) -> tuple:
+def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run: dict) -> tuple:
     """Loads the snapshot, if there is one, into the model and optimizer. Returns where to
     resume: the epochs done, then the samples trained and their loss sum in the next one."""
     if not os.path.exists(path):
@@ -215,9 +207,7 @@ def save_snapshot(path: str, snapshot: dict) -> bool:
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
             os.remove(f"{path}.tmp")
-        print(
-            f"error: cannot save {path}: {e}; the last snapshot, if any, is kept", file=sys.stderr
-        )
+        print(f"error: cannot save {path}: {e}; the last one, if any, is kept", file=sys.stderr)
         return False
 
 
@@ -361,7 +351,7 @@ class Trainer:
             figures = torch.tensor([loss, samples, correct, evaluated], dtype=torch.float64)
             dist.all_reduce(figures, group=self.cpu_group)  # each figure becomes the ranks' sum
             loss, samples, correct, evaluated = figures.tolist()
-            loss_sum += loss
+            loss_sum += float(loss)
             if not math.isfinite(loss_sum):
                 return self._diverged(epoch, "the loss")
             if stopped != 0:  # a stop signal or a save (None) ended the epoch early
@@ -399,8 +389,9 @@ class Trainer:
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
             if not os.path.exists(self.args.snapshot_path):
                 since = f"{self.unsaved_steps} steps into the run, before any snapshot"
-            error = f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}"
-            print(error, file=sys.stderr)
+            print(
+                f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}", file=sys.stderr
+            )
         return 1
 
 
@@ -417,8 +408,7 @@ def evaluate(model: nn.Module, val_batches: Iterator, device: torch.device) -> t
 def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
-    """The training and held-out loaders. Loader processes prepare batches while the GPU
-    computes."""
+    """The training and held-out loaders: loader processes load batches while the GPU computes."""
     workers = args.workers
     if workers is None:
         workers = min(8, torch.get_num_threads()) if gpu else 0
@@ -427,8 +417,7 @@ def prepare_dataloaders(
     sampler = EpochSampler(train_set, seed=args.seed)
     train_set = SeededSamples(train_set, args.seed)
     val_set = Subset(val_set, range(sampler.rank, len(val_set), sampler.num_replicas))
-    # BatchNorm cannot train on a batch of one sample: such a last batch is dropped, unless it is
-    # the only one.
+    # BatchNorm cannot train on a batch of one: a last batch of one is dropped if there are others.
     one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
@@ -463,8 +452,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     try:
         code = trainer.train()
     except Exception as e:
-        # A rank that died or hangs fails the collectives: exit code 75 (EX_TEMPFAIL) says that a
-        # new start may succeed. An error of the program's own would come again: exit code 1.
+        # A lost or hung rank fails the collectives: 75 (EX_TEMPFAIL) says a new start may succeed.
         lost = isinstance(e, dist.DistError) or "gloo" in str(e)  # gloo's errors are plain
         if "Timed out" in str(e):
             print(f"error: rank {global_rank} timed out waiting for a rank that stopped answering")
@@ -473,9 +461,8 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         code = 75 if lost else 1
     del trainer, train_data, val_data  # the loader workers end before the exit functions run
     dist.destroy_process_group()
-    # Python's teardown of torch takes a second, and ten on a loaded node, after the exit
-    # functions (yours too) have run. atexit has no public call to run them first: without it,
-    # test_loader_workers_end_before_the_exit_functions[multigpu] waits past its 10 s.
+    # Python's teardown of torch takes seconds after the exit functions (yours too). No public call
+    # runs them first: test_loader_workers_end_before_the_exit_functions[multigpu] fails without it.
     atexit._run_exitfuncs()
     sys.stdout.flush()
     os._exit(code)

@@ -82,9 +82,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
         train = datasets.ImageFolder(f"{data_dir}/train", T.Compose(resize + chosen + to_tensor))
         val = datasets.ImageFolder(f"{data_dir}/val", T.Compose(resize + to_tensor))
     except OSError as e:
-        raise ValueError(
-            f"--data_dir {data_dir}: {e} (expected DIR/{{train,val}}/CLASS/)"
-        ) from None
+        raise ValueError(f"--data_dir {data_dir}: {e} (expects DIR/{{train,val}}/CLASS/)") from None
     if train.classes != val.classes:
         raise ValueError(f"--data_dir {data_dir}: train/ and val/ need the same class folders")
     return train, val, len(train.classes)
@@ -92,17 +90,13 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
 
 class SeededSamples(Dataset):
     """Seeds each sample's random draws (an image's crop and flip) from the run's seed, the epoch
-    and the sample's index, so that neither the number of loader processes nor a resume changes
-    them."""
+    and the sample's index: neither the number of loader processes nor a resume changes them."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
         # The trainer sets the epoch in shared memory, where the loader's workers read it.
         self.epoch = torch.multiprocessing.Value("q", 0)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
 
     def __getitem__(self, index: int) -> tuple:
         torch.manual_seed(hash((self.seed, self.epoch.value, index)))
@@ -162,9 +156,7 @@ def get_lr(step: int, steps: int, peak: float) -> float:
     return peak * min(done / 0.1, (1 - done) / 0.9)
 
 
-def load_snapshot(
-    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, run: dict
-) -> tuple:
+def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run: dict) -> tuple:
     """Loads the snapshot, if there is one, into the model and optimizer. Returns where to
     resume: the epochs done, then the samples trained and their loss sum in the next one."""
     if not os.path.exists(path):
@@ -198,9 +190,7 @@ def save_snapshot(path: str, snapshot: dict) -> bool:
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
             os.remove(f"{path}.tmp")
-        print(
-            f"error: cannot save {path}: {e}; the last snapshot, if any, is kept", file=sys.stderr
-        )
+        print(f"error: cannot save {path}: {e}; the last one, if any, is kept", file=sys.stderr)
         return False
 
 
@@ -353,8 +343,9 @@ class Trainer:
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
             if not os.path.exists(self.args.snapshot_path):
                 since = f"{self.unsaved_steps} steps into the run, before any snapshot"
-            error = f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}"
-            print(error, file=sys.stderr)
+            print(
+                f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}", file=sys.stderr
+            )
         return 1
 
 
@@ -371,8 +362,7 @@ def evaluate(model: nn.Module, val_batches: Iterator, device: torch.device) -> t
 def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
-    """The training and held-out loaders. Loader processes prepare batches while the GPU
-    computes."""
+    """The training and held-out loaders: loader processes load batches while the GPU computes."""
     workers = args.workers
     if workers is None:
         workers = min(8, torch.get_num_threads()) if gpu else 0
@@ -380,8 +370,7 @@ def prepare_dataloaders(
     load.update(worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
     train_set = SeededSamples(train_set, args.seed)
-    # BatchNorm cannot train on a batch of one sample: such a last batch is dropped, unless it is
-    # the only one.
+    # BatchNorm cannot train on a batch of one: a last batch of one is dropped if there are others.
     one_left = len(sampler) % args.batch_size == 1 and len(sampler) > 1
     train_data = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=one_left, **load)
     return train_data, DataLoader(val_set, 2 * args.batch_size, **load)
