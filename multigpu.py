@@ -387,9 +387,8 @@ class Trainer:
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
             if not os.path.exists(self.args.snapshot_path):
                 since = f"{self.unsaved_steps} steps into the run, before any snapshot"
-            print(
-                f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}", file=sys.stderr
-            )
+            error = f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}"
+            print(error, file=sys.stderr)
         return 1
 
 

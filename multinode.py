@@ -21,6 +21,7 @@ import itertools
 import math
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -76,6 +77,9 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     if gpus:
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # float32 matmuls use the faster TF32 cores
+    # torchrun's own store is up while torchrun runs: if it died as this rank started, end here.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        socket.create_connection((os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])).close()
     backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, else gloo
     device_id = device if gpus else None
     dist.init_process_group(backend, rank=global_rank, device_id=device_id, timeout=TIMEOUT)
@@ -404,9 +408,8 @@ class Trainer:
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
             if not os.path.exists(self.args.snapshot_path):
                 since = f"{self.unsaved_steps} steps into the run, before any snapshot"
-            print(
-                f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}", file=sys.stderr
-            )
+            error = f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}"
+            print(error, file=sys.stderr)
         return 1
 
 

@@ -53,7 +53,7 @@ def start_loader_worker(worker_id: int) -> None:
 def setup() -> torch.device:
     """The one place that picks the hardware: a GPU if there is one, else the CPU."""
     gpus = torch.cuda.device_count()
-    device = torch.device("cuda") if gpus else torch.device("cpu")
+    device = torch.device("cuda" if gpus else "cpu")
     if gpus:
         torch.set_float32_matmul_precision("high")  # float32 matmuls use the faster TF32 cores
     return device
@@ -343,9 +343,8 @@ class Trainer:
             since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
             if not os.path.exists(self.args.snapshot_path):
                 since = f"{self.unsaved_steps} steps into the run, before any snapshot"
-            print(
-                f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}", file=sys.stderr
-            )
+            error = f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}"
+            print(error, file=sys.stderr)
         return 1
 
 

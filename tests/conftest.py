@@ -490,14 +490,17 @@ def make_glyph_tree(root: Path, train: int, val: int, seed: int = 0) -> None:
 
 def kill_launcher_after(stage: str, epoch: int, cwd: Path, timeout: float = 300) -> dict:
     """Start a long run, SIGKILL its launcher (python multigpu.py, or torchrun) once `epoch`
-    is logged, then watch its workers: {"killed": seconds after start, "gone": seconds from the
-    kill until no process works in cwd (None: some still did after 30 s), "output": ...}."""
+    is logged (0: once its 2 workers exist, before they can reach torchrun's store), then watch
+    its workers: {"killed": seconds after start, "gone": seconds from the kill until no process
+    works in cwd (None: some still did after 30 s), "output": ...}."""
     (proc,) = start(stage, [400, 1], cwd)
     begin = time.monotonic()
     deadline = threading.Timer(timeout, end_processes_in, [cwd])  # a silent hang ends too
     deadline.start()
     lines = []
-    for line in proc.stdout:  # the launcher's own output, workers' included, until the kill
+    while not epoch and len(processes_in(cwd)) < 3 and time.monotonic() - begin < timeout:
+        time.sleep(0.01)
+    for line in proc.stdout if epoch else []:  # the launcher's output, workers' too, until the kill
         lines.append(line)
         if line.startswith(f"Epoch {epoch} "):
             break
@@ -671,6 +674,10 @@ def runs(request, tmp_path_factory):
     for stage in ("multigpu", "multigpu_torchrun"):  # the launcher SIGKILLed (test_faults.py)
         cwd = folder(f"orphans-{stage}")
         runs.submit(f"orphans-{stage}", functools.partial(kill_launcher_after, stage, 2, cwd))
+    cwd = folder("orphans-at-start")  # torchrun SIGKILLed as its workers start
+    runs.submit(
+        "orphans-at-start", functools.partial(kill_launcher_after, "multigpu_torchrun", 0, cwd)
+    )
     # Two nodes without shared storage: node 0 has a snapshot, node 1 an unreadable one.
     nodes = folder("node0"), folder("node1")
     write_snapshot(nodes[0] / "snapshot.pt", epoch=2)

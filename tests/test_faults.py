@@ -81,6 +81,14 @@ def test_workers_stop_when_their_launcher_dies(runs, stage):
     assert 1 <= snapshot["epoch"] < 400 and snapshot["model"]
 
 
+def test_workers_end_when_torchrun_dies_as_they_start(runs):
+    """torchrun SIGKILLed once its workers exist, before they reach the store it holds: they end
+    within seconds, untrained, where connecting to the dead store would retry for 10 minutes."""
+    result = runs["orphans-at-start"]
+    assert result["gone"] is not None, result
+    assert not (result["cwd"] / "snapshot.pt").exists(), result
+
+
 def test_the_launchers_port_stays_its_own(runs):
     """python multigpu.py holds the free port it picked for the job: a program that tries to bind
     it while the ranks start (seconds: each imports torch) cannot, and the run trains."""
