@@ -50,8 +50,7 @@ def note_stop_signal(signum: int, frame: object) -> None:
 
 
 def start_loader_worker(worker_id: int) -> None:
-    """A loader worker ignores the stop signals (its training process stops and saves) and
-    dies with that process."""
+    """A loader worker leaves the stop signals to its training process, and dies with it."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     # The kernel kills the worker when its training process dies, even a worker stopped in a read.
@@ -158,8 +157,7 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    # Some models take one image size only (ViT takes 224). A forward pass on the meta device
-    # checks the shapes and computes nothing, at any size.
+    # Some models take one image size only (ViT: 224): a pass on the meta device computes nothing.
     try:
         named = [*model.named_parameters(), *model.named_buffers()]
         with torch.device("meta"), torch.no_grad():
@@ -199,8 +197,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
 
 
 def save_snapshot(path: str, snapshot: dict) -> bool:
-    """Writes beside the last snapshot, then renames over it: a crash or a full disk leaves
-    the last one whole. Returns whether it saved."""
+    """Writes beside the last snapshot and renames over it: a crash or full disk leaves it whole."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(f"{path}.tmp", "wb") as f:
@@ -264,7 +261,11 @@ class Trainer:
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            finite = self._finite(snapshot, epoch if samples else epoch - 1)  # the epoch that ran
+            # The last update came after the last loss checked, and can make a weight or moment NaN.
+            moments = [m for s in snapshot["optimizer"]["state"].values() for m in s.values()]
+            finite = all(t.isfinite().all() for t in [*snapshot["model"].values(), *moments])
+            if not finite:
+                self._diverged(epoch if samples else epoch - 1, "a weight")  # the epoch that ran
             saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
         done = torch.tensor(int(saved))
         dist.all_reduce(done, dist.ReduceOp.MIN, self.save_group)  # the others wait for the write
@@ -296,8 +297,7 @@ class Trainer:
 
     def _run_epoch(self, epoch: int, samples: int) -> tuple[torch.Tensor, int, int]:
         """Trains the epoch from its `samples`-th sample on. Returns this rank's loss sum and
-        samples, and why it returned: 0 at the epoch's end, the signal at a stop, and None when a
-        save is due or the loss is NaN."""
+        samples, and why: 0 at the epoch's end, the signal at a stop, None for a save or a NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
         self.train_data.dataset.epoch.value = epoch  # it seeds each sample's crop and flip
@@ -378,15 +378,6 @@ class Trainer:
             epoch, samples, loss_sum = epoch + 1, 0, 0.0
             began, skipped = time.perf_counter(), 0
         return 0
-
-    def _finite(self, snapshot: dict, epoch: int) -> bool:
-        """Whether every weight and AdamW moment in the snapshot is finite. The last update before
-        a save comes after the last loss that was checked, and can make them NaN."""
-        moments = [t for state in snapshot["optimizer"]["state"].values() for t in state.values()]
-        if all(t.isfinite().all() for t in [*snapshot["model"].values(), *moments]):
-            return True
-        self._diverged(epoch, "a weight")
-        return False
 
     def _diverged(self, epoch: int, what: str) -> int:
         if self.global_rank == 0:

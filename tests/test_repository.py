@@ -21,8 +21,8 @@ README = (REPO / "README.md").read_text()
 # Changed lines to the next stage, and code tokens (Python's tokens outside comments, docstrings
 # and argparse's help strings): no stage grows past these figures. Comments and help are free.
 LIMITS = {"single_gpu": 140, "multigpu": 49, "multigpu_torchrun": 32, "multinode": 119}
-TOKENS = {"single_gpu": 3_766, "multigpu": 4_609, "multigpu_torchrun": 4_517, "multinode": 4_744}
-TOKENS["fsdp"] = 5_594
+TOKENS = {"single_gpu": 3_740, "multigpu": 4_583, "multigpu_torchrun": 4_491, "multinode": 4_718}
+TOKENS["fsdp"] = 5_568
 
 
 def changed_lines(a: str, b: str) -> int:

@@ -438,7 +438,7 @@ def test_no_step_waits_for_the_device(tmp_path, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     assert trainer.train() == 0
     steps = [read for read in reads if read[2]]
-    saves = [read for read in reads if read[1] == "_finite"]
+    saves = [read for read in reads if read[1] == "_save_snapshot"]
     others = [read[0] for read in reads if read not in steps and read not in saves]
     assert others == ["__float__", "__float__"], reads
     assert steps == [("__bool__", "_run_epoch", True)] * 4, reads  # 4 steps
