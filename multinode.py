@@ -159,7 +159,8 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    # Some models take one image size only (ViT: 224): a pass on the meta device computes nothing.
+    # Some models take one image size only (ViT takes 224). A forward pass on the meta device
+    # checks the shapes and computes nothing, at any size.
     try:
         named = [*model.named_parameters(), *model.named_buffers()]
         with torch.device("meta"), torch.no_grad():
