@@ -498,12 +498,14 @@ def kill_launcher_after(stage: str, epoch: int, cwd: Path, timeout: float = 300)
     deadline = threading.Timer(timeout, end_processes_in, [cwd])  # a silent hang ends too
     deadline.start()
     lines = []
-    while not epoch and len(processes_in(cwd)) < 3 and time.monotonic() - begin < timeout:
-        time.sleep(0.01)
-    for line in proc.stdout if epoch else []:  # the launcher's output, workers' too, until the kill
-        lines.append(line)
-        if line.startswith(f"Epoch {epoch} "):
-            break
+    if epoch:
+        for line in proc.stdout:  # the launcher's own output, workers' included, until the kill
+            lines.append(line)
+            if line.startswith(f"Epoch {epoch} "):
+                break
+    else:  # the launcher and its 2 workers, as soon as the workers exist
+        while len(processes_in(cwd)) < 3 and time.monotonic() - begin < timeout:
+            time.sleep(0.01)
     deadline.cancel()
     killed = time.monotonic()
     proc.kill()
