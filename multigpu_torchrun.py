@@ -508,9 +508,7 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=natural, help=text)
     text = "deterministic GPU kernels, for resumes bit for bit on GPUs"
     parser.add_argument("--deterministic", action="store_true", help=text)
-    parser.add_argument(
-        "--compile", action="store_true", help="compile the model (slower to start)"
-    )
+    parser.add_argument("--compile", action="store_true", help="compile the model (slower start)")
     parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
     stderr = sys.stderr
     if os.environ.get("RANK", "0") != "0":  # argparse's errors from rank 0 alone: one for the job

@@ -442,9 +442,7 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=natural, help=text)
     text = "deterministic GPU kernels, for resumes bit for bit on GPUs"
     parser.add_argument("--deterministic", action="store_true", help=text)
-    parser.add_argument(
-        "--compile", action="store_true", help="compile the model (slower to start)"
-    )
+    parser.add_argument("--compile", action="store_true", help="compile the model (slower start)")
     args = parser.parse_args()
     if not 0 < args.lr < math.inf:
         parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
