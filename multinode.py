@@ -8,8 +8,8 @@ Or one srun task per GPU, with MASTER_ADDR=HOST and MASTER_PORT=29500 exported.
 
 50 10 trains 50 epochs and saves a snapshot every 10 (without the numbers: 5 and 5). Ctrl-C,
 SIGTERM or SIGUSR1 stops the run and saves a snapshot after the first optimizer step that ends
-after the signal, or one step later with several processes. A signal after the last step lets the
-run finish. The same command resumes the run. A second Ctrl-C ends it at once, unsaved.
+after the signal (in stages 2 to 5, one step later). A signal after the last step lets the run
+finish. The same command resumes the run. A second Ctrl-C ends it at once, unsaved.
 """
 
 import argparse
