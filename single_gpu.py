@@ -217,10 +217,9 @@ class Trainer:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         except ValueError as e:
             sys.exit(f"error: {e}")
-        self.train_model = model
-        if args.compile:  # CUDA graphs would overwrite gradients that micro-batches add up
-            mode = "reduce-overhead" if args.grad_accum == 1 else None
-            self.train_model = torch.compile(self.train_model, mode=mode)
+        # CUDA graphs would overwrite the gradients that micro-batches add up.
+        mode = "reduce-overhead" if args.grad_accum == 1 else None
+        self.train_model = torch.compile(model, mode=mode) if args.compile else model
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
         saved = True
