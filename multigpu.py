@@ -241,7 +241,7 @@ class Trainer:
         # Each rank votes a stop signal (or 0), whether a save is due, and whether its loss is NaN.
         self.stop = torch.tensor([0, 0, 0])
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
-        # CUDA graphs would overwrite the gradients that micro-batches add up.
+        # CUDA graphs ("reduce-overhead") would overwrite the gradients that micro-batches add up.
         mode = "reduce-overhead" if args.grad_accum == 1 else None
         self.train_model = torch.compile(model, mode=mode) if args.compile else model
         if dist.get_world_size() > 1:  # DDP wraps the compiled model, as nanoGPT does

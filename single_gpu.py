@@ -217,7 +217,7 @@ class Trainer:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         except ValueError as e:
             sys.exit(f"error: {e}")
-        # CUDA graphs would overwrite the gradients that micro-batches add up.
+        # CUDA graphs ("reduce-overhead") would overwrite the gradients that micro-batches add up.
         mode = "reduce-overhead" if args.grad_accum == 1 else None
         self.train_model = torch.compile(model, mode=mode) if args.compile else model
 
