@@ -329,7 +329,7 @@ class Trainer:
         self.args = args
         self.run = run
         self.global_rank = dist.get_rank()
-        self.launcher = os.getppid()  # the process that started this one: spawn's, or torchrun
+        self.launcher = os.getppid()  # its parent: spawn's launcher, torchrun or slurmstepd
         self.save_at = time.monotonic() + 60 * (args.save_minutes or math.inf)
         self.unsaved_steps = 0
         # The GPU copies here whether the loss is still finite; a read a step later never waits.
