@@ -220,7 +220,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
 def keyed(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Renames AdamW's state, both ways, between the file's keys (the parameters numbered in the
     optimizer's order, as the other stages save them) and the names torch's state-dict functions
-    use. The file's betas are a list, and AdamW wants a tuple back."""
+    use. Betas go back to a tuple, as in the other stages' files: those functions load a list."""
     names = {id(param): name for name, param in model.named_parameters()}
     order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
     keys = dict(enumerate(order)) | {name: number for number, name in enumerate(order)}
@@ -376,8 +376,8 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # Dividing by the global batch weighs every sample alike, however micro-batches and ranks
-        # split the batch. An epoch's short last batch therefore takes a smaller step.
+        # Dividing by this process's batch (the ranks' gradients are averaged) weighs every sample
+        # alike, however micro-batches and ranks split it. A short last batch takes a smaller step.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 

@@ -273,8 +273,8 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
-        # Dividing by the global batch weighs every sample alike, however micro-batches and ranks
-        # split the batch. An epoch's short last batch therefore takes a smaller step.
+        # Dividing by this process's batch (the ranks' gradients are averaged) weighs every sample
+        # alike, however micro-batches and ranks split it. A short last batch takes a smaller step.
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 

@@ -25,8 +25,8 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}  # one per job, so two jobs on one head node do not collide
 # Several network interfaces? Name the one the nodes share: export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0
 # NCCL_DEBUG=INFO shows how NCCL connects the nodes; useful when a job hangs at start.
-# Stopped by a signal, torchrun gives its workers this long to save before it kills them (30 s by default). It
-# passes on SIGUSR1 too, as --signals-to-handle below asks: a time-limit warning sent to the job's steps.
+# Stopped by a signal, torchrun gives its workers this long to save before it kills them (torch 2.12+; else 30 s).
+# It passes on SIGUSR1 too (scancel --signal=USR1), as --signals-to-handle below asks.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
 srun --label hostname  # which nodes the job spans
 # The run's exit status says what happened, and this script decides whether the job starts again. A run stopped

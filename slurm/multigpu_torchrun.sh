@@ -20,8 +20,8 @@ set -euo pipefail
 set -- --total_epochs 50 --save_every 10 "$@"  # the default 50 10: your arguments come after and win
 nproc=${SLURM_GPUS_ON_NODE:-0}
 [ "$nproc" -gt 0 ] || nproc=${CPU_PROCS:-2}
-# Stopped by a signal, torchrun gives its workers this long to save before it kills them (30 s by default). It
-# passes on SIGUSR1 too, as --signals-to-handle below asks: a time-limit warning sent to the job's steps.
+# Stopped by a signal, torchrun gives its workers this long to save before it kills them (torch 2.12+; else 30 s).
+# It passes on SIGUSR1 too (scancel --signal=USR1), as --signals-to-handle below asks.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
 # The run's exit status says what happened, and this script decides whether the job starts again. A run stopped
 # early (the time-limit warning asked for above, scancel --signal=TERM or USR1, a lost or hung rank) that saved
