@@ -254,15 +254,15 @@ def units(model: nn.Module) -> list[list[nn.Module]]:
     units run faster than many small ones; the largest, gathered whole, sets the memory a gather
     needs. The parameters outside every block stay in the root unit."""
     total = sum(p.nbytes for p in model.parameters())
-    grouped, size = [[]], 0
+    grouped, size = [], 0
     for block in blocks(model, total // 4):
         nbytes = sum(p.nbytes for p in block.parameters())
-        if grouped[-1] and size + nbytes > total // 4:
+        if not grouped or size + nbytes > total // 4:
             grouped.append([])
             size = 0
         grouped[-1].append(block)
         size += nbytes
-    return [unit for unit in grouped if unit]
+    return grouped
 
 
 def shard_model(model: nn.Module, precision: str, device: torch.device, compiled: bool) -> None:
