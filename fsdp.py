@@ -220,7 +220,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
 def keyed(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Renames AdamW's state, both ways, between the file's keys (the parameters numbered in the
     optimizer's order, as the other stages save them) and the names torch's state-dict functions
-    use. Betas go back to a tuple, as in the other stages' files: those functions load a list."""
+    use. Betas go back to a tuple, as the other stages save them: torch's functions load a list."""
     names = {id(param): name for name, param in model.named_parameters()}
     order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
     keys = dict(enumerate(order)) | {name: number for number, name in enumerate(order)}
