@@ -269,7 +269,6 @@ def shard_model(model: nn.Module, precision: str, device: torch.device, compiled
     """Makes each group of blocks an FSDP unit, then the whole model the root unit. Of N ranks,
     each keeps 1/N of every unit and gathers a unit whole only while the unit runs."""
     weights = model.state_dict()
-    buffers = dict(model.named_buffers())  # the state dict lacks the non-persistent buffers
     bf16 = torch.bfloat16 if precision == "bf16" else None
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
     norms = [m for m in model.modules() if getattr(m, "running_mean", None) is not None]
@@ -283,11 +282,10 @@ def shard_model(model: nn.Module, precision: str, device: torch.device, compiled
             block.compile()
         fully_shard(unit, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    model.to_empty(device=device)  # makes room for the shards on this rank's device
+    if dist.get_rank() > 0:  # the others' shards are shapes; rank 0's are already on its device
+        model.to_empty(device=device)
     dcp.set_model_state_dict(model, weights, options=BROADCAST)
-    for name, buffer in model.named_buffers():  # every buffer gets rank 0's value
-        if dist.get_rank() == 0:
-            buffer.copy_(buffers[name])
+    for buffer in model.buffers():  # rank 0's values; the state dict skips the non-persistent ones
         dist.broadcast(buffer, 0)
     if dist.get_rank() == 0:
         count = len(grouped) + 1 + bool(norms)  # it counts the groups, the root and BatchNorm's

@@ -1,9 +1,12 @@
 """Every stage trains for real, computes the same model, and resumes exactly (CPU + gloo)."""
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import types
@@ -14,13 +17,16 @@ from torch.utils.data import TensorDataset
 
 from conftest import (
     EPOCHS,
+    REPO,
     STAGES,
+    TORCHRUN,
     assert_bitwise_equal,
     assert_same_model,
     load,
     make_image_tree,
     own_output,
     single_gpu,
+    stage_env,
     stage_module,
 )
 
@@ -647,26 +653,58 @@ def test_fsdp_groups_the_repeated_blocks_into_a_few_units(arch):
     assert expected.get(arch, next(iter(kinds))) in kinds, kinds
 
 
-def test_fsdp_keeps_every_buffer(world_of_one):
-    """A buffer outside the state dict (persistent=False: rotary tables, masks, constants) keeps
-    its built value once sharded, as every other buffer and weight: the same output as before."""
-    from torch import nn
+# Two ranks shard a model with a buffer outside the state dict: rank 1 builds it on the meta device,
+# as fsdp.py does, so only rank 0's values can fill it.
+BUFFERS = """
+import importlib.util, os, sys
+import torch, torch.distributed as dist
+from torch import nn
 
-    class Scaled(nn.Linear):
-        def __init__(self) -> None:
-            super().__init__(4, 4)
-            self.register_buffer("scale", torch.full((4,), 3.25), persistent=False)
+spec = importlib.util.spec_from_file_location("fsdp", sys.argv[1])
+fsdp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fsdp)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return super().forward(x) * self.scale
+class Scaled(nn.Linear):
+    def __init__(self):
+        super().__init__(4, 4)
+        self.register_buffer("scale", torch.full((4,), 3.25), persistent=False)
 
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+def build():
     torch.manual_seed(0)
-    model = nn.Sequential(Scaled(), nn.GELU(), Scaled(), nn.Linear(4, 2))
-    images = torch.randn(3, 4)
-    expected = model(images)
-    fsdp().shard_model(model, "fp32", torch.device("cpu"), False)
-    assert torch.equal(model[0].scale, torch.full((4,), 3.25))
-    assert torch.equal(model(images), expected)
+    return nn.Sequential(Scaled(), nn.GELU(), Scaled(), nn.Linear(4, 2))
+
+dist.init_process_group("gloo")
+images = torch.randn(3, 4)
+expected = build()(images)
+with torch.device("meta" if dist.get_rank() else "cpu"):
+    model = build()
+fsdp.shard_model(model, "fp32", torch.device("cpu"), False)
+assert torch.equal(model[0].scale, torch.full((4,), 3.25)), model[0].scale
+assert torch.equal(model(images), expected)
+dist.destroy_process_group()
+os._exit(0)  # as the stages end: Python's teardown of torch can abort ("terminate called")
+"""
+
+
+def test_fsdp_keeps_every_buffer(tmp_path):
+    """A buffer outside the state dict (persistent=False: rotary tables, masks, constants) keeps
+    its built value once sharded, as every other buffer and weight, on rank 0 and on a rank that
+    built shapes only: the same output as before, at 2 processes."""
+    (tmp_path / "buffers.py").write_text(BUFFERS)
+    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "buffers.py", REPO / "fsdp.py"]
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=stage_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,  # the test can end exactly what it started
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output
 
 
 def test_fsdp_accumulates_gradients_at_a_ranks_share(tmp_path, world_of_one):
