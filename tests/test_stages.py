@@ -116,7 +116,7 @@ def test_each_epoch_trains_in_a_new_order(reference_runs, stage):
 def test_the_held_out_pass_changes_nothing_and_draws_nothing(stage):
     """evaluate() runs the model as at inference: BatchNorm uses its running statistics and does
     not update them with held-out data, dropout is off, so the model is unchanged and the same
-    images give the same count twice; and training mode is back on for the next epoch's step."""
+    images give the same count twice."""
     from torch import nn
 
     torch.manual_seed(0)
@@ -130,6 +130,24 @@ def test_the_held_out_pass_changes_nothing_and_draws_nothing(stage):
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_step_trains_in_training_mode(stage, tmp_path, world_of_one):
+    """Dropout on and BatchNorm on the batch's statistics at every step: the model's check at the
+    build and each held-out pass leave it in evaluation mode, and each epoch turns training back
+    on (2 epochs of 4 steps)."""
+    trainer = small_trainer(stage_module(stage), tmp_path)
+    trainer.args.total_epochs = 2
+    run_batch, modes = trainer._run_batch, []
+
+    def run_batch_and_look(source, targets):
+        modes.append(all(module.training for module in trainer.model.modules()))
+        return run_batch(source, targets)
+
+    trainer._run_batch = run_batch_and_look
+    assert trainer.train() == 0
+    assert modes == [True] * 8, modes
 
 
 def test_clipping_changes_the_step(tmp_path):
