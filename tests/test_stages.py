@@ -340,18 +340,19 @@ def test_snapshots_are_saved_every_save_every_epochs(tmp_path, monkeypatch):
     assert saved == [2, 4, 5], saved
 
 
-def test_each_step_takes_the_scheduled_learning_rate(tmp_path):
-    """2 epochs of 8 micro-batches, 2 a step (--grad_accum 2): 8 steps, whose learning rates rise
-    linearly to --lr over the first 10% of the run and fall linearly to 0 at its end, each taken
-    at the middle of its step."""
-    trainer = small_trainer(single_gpu(), tmp_path, samples=16)
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_step_takes_the_scheduled_learning_rate(stage, tmp_path, world_of_one):
+    """2 epochs of 9 micro-batches, 2 a step (--grad_accum 2) and the epoch's last alone: 10
+    steps, whose learning rates rise linearly to --lr over the first 10% of the run and fall
+    linearly to 0 at its end, each taken at the middle of its step."""
+    trainer = small_trainer(stage_module(stage), tmp_path, samples=18)
     trainer.args.total_epochs, trainer.args.grad_accum = 2, 2
     rates = []
     trainer.optimizer.register_step_pre_hook(
         lambda optimizer, *_: rates.append(optimizer.param_groups[0]["lr"])
     )
     assert trainer.train() == 0
-    middles = [(step + 0.5) / 8 for step in range(8)]
+    middles = [(step + 0.5) / 10 for step in range(10)]
     expected = [3e-3 * (t / 0.1 if t < 0.1 else (1 - t) / 0.9) for t in middles]
     assert rates == pytest.approx(expected), rates
 
