@@ -150,6 +150,30 @@ def test_every_step_trains_in_training_mode(stage, tmp_path, world_of_one):
     assert modes == [True] * 8, modes
 
 
+@pytest.mark.parametrize("stage", ["multigpu", "multigpu_torchrun", "multinode"])
+def test_ddp_averages_the_gradients_once_a_step(stage, tmp_path, monkeypatch, world_of_one):
+    """--grad_accum 2 under DDP (a process group of one that says it has two ranks, so that the
+    stage wraps its model): micro-batches that end no step add up their gradients locally
+    (no_sync), and DDP all-reduces them once a step: 2 times for a rank's 4 micro-batches."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    module = stage_module(stage)
+    monkeypatch.setattr(module, "load_snapshot", lambda *_: (0, 0, 0.0))  # gathers from 2 ranks
+    trainer = small_trainer(module, tmp_path, samples=16)
+    trainer.args.grad_accum = 2
+    synced = []
+
+    def count(state, bucket):
+        synced.append(bucket.is_last())
+        return allreduce_hook(state, bucket)
+
+    trainer.train_model.register_comm_hook(None, count)
+    assert trainer.train() == 0
+    assert synced.count(True) == 2, synced
+
+
 def test_clipping_changes_the_step(tmp_path):
     """--grad_clip: a small norm changes what a step does (the stages' runs with it: the same
     model in every stage, test_faults.py)."""
