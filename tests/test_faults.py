@@ -1,6 +1,7 @@
 """Failures: a crash while saving loses nothing, a dead rank ends the job, ranks never resume
 apart, restarts never hang, no run aborts at exit, and no worker outlives its launcher."""
 
+import os
 import re
 
 import pytest
@@ -16,6 +17,7 @@ from conftest import (
     load,
     processes_left,
     single_gpu,
+    stage_module,
 )
 
 
@@ -30,6 +32,23 @@ def test_a_snapshot_path_in_a_new_folder_is_written(tmp_path):
     """--snapshot_path runs/a.pt: the first save makes the folder (no error after an epoch)."""
     assert single_gpu().save_snapshot(str(tmp_path / "runs" / "a.pt"), {"epoch": 1})
     assert load(tmp_path / "runs" / "a.pt") == {"epoch": 1}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_save_reaches_the_disk_before_it_replaces_the_last(stage, tmp_path, monkeypatch):
+    """A save writes beside the snapshot, syncs that file to the disk, and only then renames it
+    over the snapshot: after a power cut the file is the old one or the new one, whole."""
+    done, fsync, replace = [], os.fsync, os.replace
+
+    def synced(fd: int) -> None:
+        done.append(os.readlink(f"/proc/self/fd/{fd}"))  # the file that fd is open on
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", lambda *paths: done.append(paths) or replace(*paths))
+    path = str(tmp_path / "a.pt")
+    assert stage_module(stage).save_snapshot(path, {"epoch": 1})
+    assert done == [f"{path}.tmp", (f"{path}.tmp", path)] and load(path) == {"epoch": 1}, done
 
 
 def test_crash_while_saving_keeps_the_previous_snapshot(reference_runs, runs):
