@@ -282,7 +282,7 @@ def shard_model(model: nn.Module, precision: str, device: torch.device, compiled
             block.compile()
         fully_shard(unit, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    if dist.get_rank() > 0:  # the others' shards are shapes; rank 0's are already on its device
+    if dist.get_rank() > 0:  # rank 0's shards hold its weights, on its device; the others' get room
         model.to_empty(device=device)
     dcp.set_model_state_dict(model, weights, options=BROADCAST)
     for buffer in model.buffers():  # rank 0's values; the state dict skips the non-persistent ones
