@@ -404,7 +404,7 @@ class Trainer:
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
-            # Dropout draws from the seed, rank and step, so a resumed run draws the same masks.
+            # Dropout draws from the seed, rank, epoch and step: a resumed run draws the same masks.
             torch.manual_seed(hash((self.args.seed, self.global_rank, epoch, step)))
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
             loss_sum += self._run_batch(source, targets)  # FSDP reduce-scatters each micro-batch

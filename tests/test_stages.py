@@ -432,25 +432,29 @@ def test_processes_share_the_cores_of_their_cpu_set(runs):
     assert code == 0 and threads.count(1) == 2, threads
 
 
-def test_each_rank_and_step_draws_its_own_dropout(tmp_path, world_of_one):
-    """Dropout's draws come from the seed, the rank and the step (README): two ranks draw apart,
-    every step draws anew, and the same rank and step draw the same again, as a resume does."""
-    draws = []
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_rank_and_step_draws_its_own_dropout(stage, tmp_path, world_of_one):
+    """Dropout's draws come from the seed, the rank, the epoch and the step (README): two ranks
+    draw apart, every step of 2 epochs draws anew, and the same rank and step draw the same
+    again, as a resume does. Each epoch's batches load with that epoch in the samples' seed."""
+    draws, epochs = [], []
     for run, rank in enumerate((0, 1, 0)):
         (tmp_path / str(run)).mkdir()
-        trainer = small_trainer(stage_module("multigpu_torchrun"), tmp_path / str(run))
-        trainer.global_rank = rank
+        trainer = small_trainer(stage_module(stage), tmp_path / str(run))
+        trainer.global_rank, trainer.args.total_epochs = rank, 2
         seen = []
 
-        def run_batch(source, targets, seen=seen) -> torch.Tensor:
+        def run_batch(source, targets, seen=seen, trainer=trainer) -> torch.Tensor:
             seen.append(torch.rand(()).item())  # where dropout draws
+            epochs.append(trainer.train_data.dataset.epoch.value)  # where crops and flips draw
             return torch.zeros((), dtype=torch.float64)
 
         trainer._run_batch = run_batch
         assert trainer.train() == 0
         draws.append(seen)
-    assert draws[0] == draws[2] and len(set(draws[0])) == 4, draws
+    assert draws[0] == draws[2] and len(set(draws[0])) == 8, draws
     assert not set(draws[0]) & set(draws[1]), draws
+    assert epochs == [0, 0, 0, 0, 1, 1, 1, 1] * 3, epochs
 
 
 def test_own_output_keeps_a_ranks_cpp_warnings():
