@@ -116,7 +116,7 @@ def test_each_epoch_trains_in_a_new_order(reference_runs, stage):
 def test_the_held_out_pass_changes_nothing_and_draws_nothing(stage):
     """evaluate() runs the model as at inference: BatchNorm uses its running statistics and does
     not update them with held-out data, dropout is off, so the model is unchanged and the same
-    images give the same count twice."""
+    images give the same count twice; and no forward keeps what a backward would need."""
     from torch import nn
 
     torch.manual_seed(0)
@@ -125,11 +125,13 @@ def test_the_held_out_pass_changes_nothing_and_draws_nothing(stage):
     model(torch.randn(8, 3, 2, 2))  # a training step's forward: statistics to keep
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batches = [(torch.randn(16, 3, 2, 2), torch.randint(3, (16,))) for _ in range(3)]
+    graphs = []
+    model.register_forward_hook(lambda module, inputs, output: graphs.append(output.requires_grad))
     evaluate = stage_module(stage).evaluate
     counts = [evaluate(model, iter(batches), torch.device("cpu")).item() for _ in range(2)]
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
-    assert counts[0] == counts[1], counts
+    assert counts[0] == counts[1] and graphs == [False] * 6, (counts, graphs)
 
 
 @pytest.mark.parametrize("stage", STAGES)
