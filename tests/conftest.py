@@ -829,6 +829,7 @@ FLOOR_TESTS = {
     "test_a_long_epoch_says_how_far_it_is",
     "test_each_step_takes_the_scheduled_learning_rate",
     "test_ddp_averages_the_gradients_once_a_step",
+    "test_deterministic_asks_for_deterministic_kernels",
     "test_each_rank_and_step_draws_its_own_dropout",
     "test_flags_as_the_walkthroughs_write_them",
     "test_the_legacy_launcher_trains",

@@ -22,6 +22,7 @@ from conftest import (
     TORCHRUN,
     assert_bitwise_equal,
     assert_same_model,
+    free_port,
     load,
     make_image_tree,
     own_output,
@@ -174,6 +175,49 @@ def test_ddp_averages_the_gradients_once_a_step(stage, tmp_path, monkeypatch, wo
     trainer.train_model.register_comm_hook(None, count)
     assert trainer.train() == 0
     assert synced.count(True) == 2, synced
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_asks_for_deterministic_kernels(stage, deterministic, tmp_path, monkeypatch):
+    """--deterministic: by the time the trainer starts, torch allows only deterministic kernels,
+    cuBLAS has the workspace they need and cuDNN does not pick kernels by timing them; without
+    it, cuDNN times them (on GPUs: results bit for bit, or speed). main() runs here in a process
+    group of one, as torchrun would start it, up to the trainer."""
+    import torch.distributed as dist
+
+    module, seen = stage_module(stage), []
+
+    def trainer(*_):
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        enabled = torch.are_deterministic_algorithms_enabled()
+        seen.append((enabled, torch.backends.cudnn.benchmark, config))
+        raise InterruptedError  # out of main(), before it trains
+
+    monkeypatch.setattr(module, "Trainer", trainer)
+    world = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    for name, value in dict(world, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "unset")  # restored as the test ends
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    flags = dict(data_dir=None, image_size=32, augment="none", arch="convnet", seed=0, lr=3e-3)
+    flags.update(precision="fp32", batch_size=2, grad_accum=1, workers=0, compile=False)
+    args = argparse.Namespace(**flags, deterministic=deterministic)
+    handlers = {signum: signal.getsignal(signum) for signum in module.STOP_SIGNALS}
+    threads, benchmark = torch.get_num_threads(), torch.backends.cudnn.benchmark
+    try:
+        with pytest.raises(InterruptedError):
+            module.main(args) if stage == "single_gpu" else module.main(0, args)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark = benchmark
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    expected = (True, False, ":4096:8") if deterministic else (False, True, None)
+    assert seen == [expected], seen
 
 
 def test_clipping_changes_the_step(tmp_path):
