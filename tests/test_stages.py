@@ -196,10 +196,10 @@ def test_deterministic_asks_for_deterministic_kernels(stage, deterministic, tmp_
 
     monkeypatch.setattr(module, "Trainer", trainer)
     world = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    for name, value in dict(world, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+    world.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for name, value in world.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "unset")  # restored as the test ends
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     flags = dict(data_dir=None, image_size=32, augment="none", arch="convnet", seed=0, lr=3e-3)
     flags.update(precision="fp32", batch_size=2, grad_accum=1, workers=0, compile=False)
     args = argparse.Namespace(**flags, deterministic=deterministic)
@@ -214,6 +214,7 @@ def test_deterministic_asks_for_deterministic_kernels(stage, deterministic, tmp_
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.benchmark = benchmark
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)  # main() sets it
         if dist.is_initialized():
             dist.destroy_process_group()
     expected = (True, False, ":4096:8") if deterministic else (False, True, None)
