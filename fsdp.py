@@ -285,7 +285,7 @@ def shard_model(model: nn.Module, precision: str, device: torch.device, compiled
     if dist.get_rank() > 0:  # rank 0's shards hold its weights, on its device; the others' get room
         model.to_empty(device=device)
     dcp.set_model_state_dict(model, weights, options=BROADCAST)
-    for buffer in model.buffers():  # rank 0's values; the state dict skips the non-persistent ones
+    for buffer in model.buffers():  # rank 0 sends each: the state dict skips non-persistent buffers
         dist.broadcast(buffer, 0)
     if dist.get_rank() == 0:
         count = len(grouped) + 1 + bool(norms)  # it counts the groups, the root and BatchNorm's
