@@ -370,10 +370,10 @@ def test_a_clipped_step_applies_the_norm_asked_for(tmp_path):
     assert len(norms) == 4 and norms == pytest.approx([0.01] * 4, rel=1e-4), norms
 
 
-@pytest.mark.parametrize("name", ["single_gpu", "multinode"])
+@pytest.mark.parametrize("name", STAGES)
 def test_saves_on_the_clock_every_save_minutes(name, tmp_path, monkeypatch, world_of_one):
     """--save_minutes 1, each step 25 s on the stage's own clock, 32 steps of one epoch: a save
-    whenever a minute has passed since the last save, by this test's own count; in multinode.py
+    whenever a minute has passed since the last save, by this test's own count; in stages 2 to 5
     the ranks agree a step later, so each save comes a step after it is due."""
     stage = stage_module(name)
     now = [0.0]
