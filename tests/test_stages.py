@@ -400,15 +400,31 @@ def test_saves_on_the_clock_every_save_minutes(name, tmp_path, monkeypatch, worl
     assert expected[:2] == ([6, 12] if not late else [8, 16]), expected
 
 
-def test_snapshots_are_saved_every_save_every_epochs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", STAGES)
+def test_snapshots_are_saved_every_save_every_epochs(name, tmp_path, monkeypatch, world_of_one):
     """5 epochs with --save_every 2: saves after epochs 2 and 4, and after the last."""
-    stage = single_gpu()
+    stage = stage_module(name)
     saved = []
     monkeypatch.setattr(stage, "save_snapshot", lambda path, s: saved.append(s["epoch"]) or True)
     trainer = small_trainer(stage, tmp_path)
     trainer.args.total_epochs, trainer.args.save_every = 5, 2
     assert trainer.train() == 0
     assert saved == [2, 4, 5], saved
+
+
+@pytest.mark.parametrize("name", STAGES[1:])
+def test_a_rank_whose_launcher_died_stops_and_saves(name, tmp_path, monkeypatch, world_of_one):
+    """A rank whose parent is no longer its launcher (the launcher died, SIGKILLed) stops as on
+    SIGTERM: it notes it after step 1, the ranks agree after step 2, and it saves there (the
+    launchers killed for real: test_faults.py)."""
+    stage = stage_module(name)
+    monkeypatch.setattr(stage, "stop_signals", [])  # the module's own list, kept between tests
+    saved = []
+    monkeypatch.setattr(stage, "save_snapshot", lambda path, s: saved.append(s["samples"]) or True)
+    trainer = small_trainer(stage, tmp_path)
+    trainer.launcher = -1  # a process ID that no parent has
+    assert trainer.train() == 128 + signal.SIGTERM
+    assert saved == [4], saved  # 2 steps of 2 samples
 
 
 @pytest.mark.parametrize("stage", STAGES)
