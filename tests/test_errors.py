@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from conftest import REPO, TORCHRUN_STAGES, own_output, write_bad_snapshot
+from conftest import NODE_STAGES, REPO, TORCHRUN_STAGES, own_output, write_bad_snapshot
 
 
 def run_in_process(stage: str, args: list, monkeypatch) -> str:
@@ -211,19 +211,41 @@ def test_the_legacy_launchers_flag_is_accepted(workdir, monkeypatch, stage, flag
     assert "with torchrun" in run_in_process(stage, ["2", "1", flag], monkeypatch)
 
 
-def test_srun_tasks_without_an_address_say_so_once(workdir, monkeypatch):
-    """srun python multinode.py without MASTER_ADDR: rank 0 says what to export, the others
-    exit without a line."""
+@pytest.mark.parametrize("stage", NODE_STAGES)
+def test_srun_tasks_without_an_address_say_so_once(workdir, monkeypatch, stage):
+    """srun python multinode.py (or fsdp.py) without MASTER_ADDR: rank 0 says what to export,
+    the others exit without a line."""
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     slurm = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "0"}
     for name, value in {**slurm, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
         monkeypatch.setenv(name, value)
-    assert "export MASTER_ADDR and MASTER_PORT" in run_in_process(
-        "multinode", ["2", "1"], monkeypatch
-    )
+    assert "export MASTER_ADDR and MASTER_PORT" in run_in_process(stage, ["2", "1"], monkeypatch)
     monkeypatch.setenv("SLURM_PROCID", "1")
-    monkeypatch.setattr(sys, "argv", ["multinode.py", "2", "1"])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(REPO / "multinode.py"), run_name="__main__")
-    assert exit_info.value.code == 1
+    assert run_silently(stage, ["2", "1"], monkeypatch) == 1
+
+
+@pytest.mark.parametrize("stage", TORCHRUN_STAGES)
+def test_a_bad_flag_is_said_by_rank_0_alone(workdir, monkeypatch, stage):
+    """Every rank parses the flags: rank 0 prints argparse's usage and error, the others exit
+    with the same code, 2, and print nothing (under torchrun: test_a_bad_flag_under_torchrun)."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    assert "expected a number > 0" in run_in_process(stage, ["2", "1", "--lr", "-1"], monkeypatch)
+    monkeypatch.setenv("RANK", "1")
+    assert run_silently(stage, ["2", "1", "--lr", "-1"], monkeypatch) == 2
+
+
+def run_silently(stage: str, args: list, monkeypatch) -> int:
+    """Run a script's __main__ here, as run_in_process() does, where it must print nothing: its
+    exit code."""
+    monkeypatch.setattr(sys, "argv", [f"{stage}.py", *map(str, args)])
+    printed = io.StringIO()
+    with (
+        pytest.raises(SystemExit) as exit_info,
+        contextlib.redirect_stdout(printed),
+        contextlib.redirect_stderr(printed),
+    ):
+        runpy.run_path(str(REPO / f"{stage}.py"), run_name="__main__")
+    assert not printed.getvalue(), printed.getvalue()
+    return exit_info.value.code
