@@ -388,9 +388,14 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
 
 
-DEAD_RANKS = {  # stage, fault, and how the output names the rank that failed
-    "multigpu-kill": ("multigpu", "kill:1:0", "error: process 1 terminated with signal SIGKILL"),
-    "torchrun-raise": ("multigpu_torchrun", "raise:1:1", "rank      : 1 (local_rank: 1)"),
+DEAD_RANKS = {  # stage, fault, how the output names the rank that failed, the job's exit code
+    "multigpu-kill": (
+        "multigpu",
+        "kill:1:0",
+        "error: process 1 terminated with signal SIGKILL",
+        75,
+    ),
+    "torchrun-raise": ("multigpu_torchrun", "raise:1:1", "rank      : 1 (local_rank: 1)", 1),
 }  # a SIGKILLed worker under torchrun: test_elastic_restart_resumes_exactly
 
 
@@ -668,7 +673,7 @@ def runs(request, tmp_path_factory):
     runs.start(
         "save-resume", save_resume, after="save", prepare=copy, stage="single_gpu", args=args
     )
-    for name, (stage, fault, _) in DEAD_RANKS.items():  # FAULT_ONCE's file: when the rank died
+    for name, (stage, fault, *_) in DEAD_RANKS.items():  # FAULT_ONCE's file: when the rank died
         cwd = folder(name)
         env = stage_env(FAULT_AT=fault, FAULT_ONCE=str(cwd / "died"), EXIT_WORKERS=str(cwd))
         workers = ["--workers", 2] if stage == "multigpu_torchrun" else []  # test_faults.py

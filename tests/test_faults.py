@@ -23,9 +23,12 @@ from conftest import (
 
 @pytest.mark.parametrize("name", DEAD_RANKS)
 def test_a_dead_rank_ends_the_job(runs, name):
+    """Within 60 s of the death, with the README's exit code: spawn's launcher 75 when a signal
+    killed a rank (a retry may succeed), torchrun 1 whatever failed."""
     cwd, run = runs[name]
-    assert run.returncode != 0 and run.ended - (cwd / "died").stat().st_mtime < 60, run.output
-    assert DEAD_RANKS[name][2] in run.output, run.output
+    _, _, named, code = DEAD_RANKS[name]
+    assert run.returncode == code and run.ended - (cwd / "died").stat().st_mtime < 60, run.output
+    assert named in run.output, run.output
 
 
 def test_a_snapshot_path_in_a_new_folder_is_written(tmp_path):
