@@ -456,6 +456,25 @@ def world_of_one(tmp_path):
 
 
 @pytest.mark.parametrize("name", STAGES)
+def test_speed_counts_what_this_start_trained(name, tmp_path, monkeypatch, capsys, world_of_one):
+    """samples/s: the samples an epoch trained since it began or resumed, over that time. Resumed
+    after 4 of 8 samples, with each step 1 s on the stage's own clock: 2 steps of 2 samples in
+    epoch 1, then 4 in epoch 2, both 2 samples/s."""
+    stage = stage_module(name)
+    now = [0.0]
+    fake_time = types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=lambda: now[0])
+    monkeypatch.setattr(stage, "time", fake_time)  # this module's clock only: runs go on beside
+    trainer = small_trainer(stage, tmp_path)
+    trainer.optimizer.register_step_post_hook(lambda *_: now.__setitem__(0, now[0] + 1))
+    trainer.args.total_epochs = 2
+    trainer.resume = (0, 4, 0.0)  # as a snapshot saved after 2 steps would give
+    capsys.readouterr()  # what the start printed
+    assert trainer.train() == 0
+    epochs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Epoch")]
+    assert [line.rsplit(" | ", 1)[1] for line in epochs] == ["2 samples/s"] * 2, epochs
+
+
+@pytest.mark.parametrize("name", STAGES)
 def test_a_long_epoch_says_how_far_it_is(name, tmp_path, monkeypatch, capsys, world_of_one):
     """Inside an epoch, rank 0 prints `epoch N: step S of T` once 30 s have passed since the
     epoch began or the last such line (README). Each optimizer step here takes 1 s on a clock of
