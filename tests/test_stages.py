@@ -651,14 +651,18 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     assert rate(0.55) == pytest.approx(0.5) and rate(1.0) == pytest.approx(0)
 
 
-def model_and_optimizer(fused: bool) -> tuple:
-    """The default model and AdamW, fused when asked (as on GPUs), on the CPU."""
+def model_and_optimizer(fused: bool, stage=None) -> tuple:
+    """The default model and AdamW, fused when asked (as on GPUs), on the CPU; with fsdp.py's
+    module, over the model's shards."""
     model = single_gpu().build_model("convnet", 10, 32)
+    if hasattr(stage, "shard_model"):
+        stage.shard_model(model, "fp32", torch.device("cpu"), False)
     return model, torch.optim.AdamW(model.parameters(), fused=fused)
 
 
+@pytest.mark.parametrize("name", STAGES)
 @pytest.mark.parametrize("fused", [True, False])
-def test_the_optimizer_implementation_comes_from_the_machine(tmp_path, fused):
+def test_the_optimizer_implementation_comes_from_the_machine(tmp_path, fused, name, world_of_one):
     """A snapshot of the other device type (fused AdamW on GPUs, not on a laptop) resumes with
     this machine's choice: the file's `fused` would switch the GPU's fused kernel off for good."""
     torch.manual_seed(0)
@@ -667,8 +671,9 @@ def test_the_optimizer_implementation_comes_from_the_machine(tmp_path, fused):
     optimizer.step()
     snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     torch.save({**snapshot, "epoch": 1}, tmp_path / "snapshot.pt")
-    model, optimizer = model_and_optimizer(fused=fused)
-    assert single_gpu().load_snapshot(tmp_path / "snapshot.pt", model, optimizer, {}) == (1, 0, 0)
+    stage = stage_module(name)
+    model, optimizer = model_and_optimizer(fused=fused, stage=stage)
+    assert stage.load_snapshot(tmp_path / "snapshot.pt", model, optimizer, {}) == (1, 0, 0)
     group = optimizer.param_groups[0]
     assert group["fused"] is fused and group["foreach"] is None, group
     step = next(iter(optimizer.state.values()))["step"]
