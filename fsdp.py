@@ -272,8 +272,8 @@ def shard_model(model: nn.Module, precision: str, device: torch.device, compiled
     bf16 = torch.bfloat16 if precision == "bf16" else None
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
     norms = [m for m in model.modules() if getattr(m, "running_mean", None) is not None]
-    if norms:  # BatchNorm keeps float32 weights, like its statistics
-        fully_shard(norms, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))
+    if norms:  # without mixed precision, BatchNorm keeps float32 weights, like its statistics
+        fully_shard(norms)
     grouped = units(model)
     total = sum(p.nbytes for p in model.parameters())
     sizes = [sum(p.nbytes for block in unit for p in block.parameters()) for unit in grouped]

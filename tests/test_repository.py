@@ -22,7 +22,7 @@ README = (REPO / "README.md").read_text()
 # and argparse's help strings): no stage grows past these figures. Comments and help are free.
 LIMITS = {"single_gpu": 140, "multigpu": 49, "multigpu_torchrun": 32, "multinode": 118}
 TOKENS = {"single_gpu": 3_734, "multigpu": 4_577, "multigpu_torchrun": 4_485, "multinode": 4_712}
-TOKENS["fsdp"] = 5_534
+TOKENS["fsdp"] = 5_525
 
 
 def changed_lines(a: str, b: str) -> int:

@@ -903,7 +903,8 @@ def test_fsdp_saves_and_loads_adamws_state_for_any_grouping(world_of_one):
 def test_fsdp_trains_a_batchnorm_model_in_bf16(world_of_one):
     """shard_model() makes each repeated block an FSDP unit (layer4's, each over a quarter of the
     model, are cut into their convolutions) and BatchNorm one float32 unit: ResNet-18 takes an
-    AdamW step in bf16, its convolutions and linear layer on bfloat16 weights."""
+    AdamW step in bf16, its convolutions and linear layer on bfloat16 weights, BatchNorm on
+    float32 weights and statistics."""
     from torch.distributed.fsdp import FSDPModule
     from torchvision import models
 
@@ -913,16 +914,21 @@ def test_fsdp_trains_a_batchnorm_model_in_bf16(world_of_one):
     assert all(isinstance(block, FSDPModule) for block in blocks[:6])  # layer4's: over a quarter
     assert all(isinstance(block.conv2, FSDPModule) for block in blocks[6:])
     assert isinstance(model.bn1, FSDPModule) and isinstance(model, FSDPModule)
-    dtypes = set()
+    dtypes = {"norms": set(), "others": set()}
+
+    def record(layer, *_) -> None:  # after FSDP gathers the layer's weights
+        kind = "norms" if isinstance(layer, torch.nn.BatchNorm2d) else "others"
+        dtypes[kind].add(layer.weight.dtype)
+
     for layer in model.modules():
-        if isinstance(layer, (torch.nn.Conv2d, torch.nn.Linear)):  # after FSDP gathers it
-            layer.register_forward_hook(lambda m, *_: dtypes.add(m.weight.dtype), prepend=True)
+        if isinstance(layer, (torch.nn.Conv2d, torch.nn.Linear, torch.nn.BatchNorm2d)):
+            layer.register_forward_hook(record, prepend=True)
     optimizer = torch.optim.AdamW(model.parameters())
     loss = model(torch.randn(4, 3, 32, 32)).float().logsumexp(1).mean()
     loss.backward()
     optimizer.step()
-    assert dtypes == {torch.bfloat16} and loss.isfinite(), dtypes
-    assert model.bn1.running_mean.dtype == torch.float32
+    assert dtypes == {"norms": {torch.float32}, "others": {torch.bfloat16}}, dtypes
+    assert model.bn1.running_mean.dtype == torch.float32 and loss.isfinite()
 
 
 def test_fsdp_cuts_a_block_into_parts_it_calls(world_of_one):
