@@ -683,6 +683,32 @@ def test_the_optimizer_implementation_comes_from_the_machine(tmp_path, fused, na
     assert optimizer.state_dict()["param_groups"][0]["fused"] is fused
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_process_on_a_gpu_node_takes_its_own_gpu_and_nccl(monkeypatch, stage):
+    """On a node that shows 2 GPUs (torch told so: CI has none), setup() gives local rank 1 GPU
+    1 and makes it the current device, lets float32 matmuls use TF32, and starts NCCL bound to
+    that GPU as global rank 3 (single_gpu.py: the current GPU, TF32)."""
+    import torch.distributed as dist
+
+    module, called = stage_module(stage), {}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: called.update(current=device))
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: called.update(matmul=p))
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda *args, **kw: called.update(group=(*args, kw))
+    )
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    if stage == "single_gpu":
+        assert module.setup() == torch.device("cuda") and called == {"matmul": "high"}, called
+        return
+    gpu = torch.device("cuda", 1)
+    assert module.setup(1, 3) == gpu
+    group = ("nccl", {"rank": 3, "device_id": gpu, "timeout": module.TIMEOUT})
+    assert called == {"current": gpu, "matmul": "high", "group": group}, called
+
+
 @pytest.mark.parametrize("stage", STAGES[1:])
 @pytest.mark.parametrize("gpus, processes", [(2, 4), (1, 2)])
 def test_more_processes_than_gpus_are_refused(monkeypatch, stage, gpus, processes):
