@@ -837,6 +837,7 @@ FLOOR_TESTS = {
     "test_snapshots_are_saved_every_save_every_epochs",
     "test_a_rank_whose_launcher_died_stops_and_saves",
     "test_the_optimizer_implementation_comes_from_the_machine",
+    "test_a_process_on_a_gpu_node_takes_its_own_gpu_and_nccl",
     "test_each_step_takes_the_scheduled_learning_rate",
     "test_ddp_averages_the_gradients_once_a_step",
     "test_deterministic_asks_for_deterministic_kernels",
