@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -410,6 +411,24 @@ def test_snapshots_are_saved_every_save_every_epochs(name, tmp_path, monkeypatch
     trainer.args.total_epochs, trainer.args.save_every = 5, 2
     assert trainer.train() == 0
     assert saved == [2, 4, 5], saved
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_a_moment_not_finite_is_never_saved(name, tmp_path, monkeypatch, capsys, world_of_one):
+    """A gradient so large that its square overflows makes AdamW's second moment infinite while
+    the weights stay finite: the save after the epoch is refused with one line, and the trainer
+    ends with exit code 1."""
+    stage = stage_module(name)
+    saved = []
+    monkeypatch.setattr(stage, "save_snapshot", lambda path, s: saved.append(s["epoch"]) or True)
+    trainer = small_trainer(stage, tmp_path)
+    trainer.optimizer.register_step_post_hook(
+        lambda optimizer, *_: next(iter(optimizer.state.values()))["exp_avg_sq"].fill_(math.inf)
+    )
+    assert trainer.train() == 1 and not saved, saved
+    assert all(p.isfinite().all() for p in trainer.model.state_dict().values())
+    error = "error: a weight or AdamW moment is NaN or infinite in epoch 1, 4 steps into the run"
+    assert capsys.readouterr().err.startswith(error)
 
 
 @pytest.mark.parametrize("name", STAGES[1:])
