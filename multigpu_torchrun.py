@@ -263,7 +263,7 @@ class Trainer:
             # The last update came after the last loss checked, and can make a weight or moment NaN.
             moments = [m for s in snapshot["optimizer"]["state"].values() for m in s.values()]
             finite = all(t.isfinite().all() for t in [*snapshot["model"].values(), *moments])
-            if not finite:  # it names the epoch that ran
+            if not finite:  # the line names the epoch that ran: this one, or the one just ended
                 self._diverged(epoch if samples else epoch - 1, "a weight or AdamW moment")
             saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
         done = torch.tensor(int(saved))
