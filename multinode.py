@@ -245,7 +245,7 @@ class Trainer:
         self.run = run
         self.global_rank = dist.get_rank()
         self.launcher = os.getppid()  # its parent: spawn's launcher, torchrun or slurmstepd
-        self.save_at = time.monotonic() + 60 * (args.save_minutes or math.inf)
+        self.saved_at = time.monotonic()
         self.unsaved_steps = 0
         # The GPU copies here whether the loss is still finite; a read a step later never waits.
         self.finite = torch.ones((), dtype=torch.bool, pin_memory=device.type == "cuda")
@@ -283,7 +283,7 @@ class Trainer:
             saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
         done = torch.tensor(int(saved))
         dist.all_reduce(done, dist.ReduceOp.MIN, self.save_group)  # the others wait for the write
-        self.save_at = time.monotonic() + 60 * (self.args.save_minutes or math.inf)
+        self.saved_at = time.monotonic()
         self.unsaved_steps = 0
         self.vote.wait()  # a vote cast before this save may ask for a save, which this one was
         self.stop[1] = 0
@@ -338,7 +338,7 @@ class Trainer:
             # after it, so that no step waits for it.
             self.vote.wait()
             stopped, due, diverged = self.stop.tolist()
-            due_now = time.monotonic() > self.save_at
+            due_now = time.monotonic() > self.saved_at + 60 * (self.args.save_minutes or math.inf)
             if os.getppid() != self.launcher:  # the launcher died (SIGKILL): stop and save
                 stop_signals.append(signal.SIGTERM)
             self.stop = torch.tensor([max(stop_signals, default=0), due_now, not self.finite])

@@ -209,7 +209,7 @@ class Trainer:
         self.args = args
         self.run = run
         self.global_rank = 0
-        self.save_at = time.monotonic() + 60 * (args.save_minutes or math.inf)
+        self.saved_at = time.monotonic()
         self.unsaved_steps = 0
         # The GPU copies here whether the loss is still finite; a read a step later never waits.
         self.finite = torch.ones((), dtype=torch.bool, pin_memory=device.type == "cuda")
@@ -232,7 +232,7 @@ class Trainer:
             if not finite:  # the line names the epoch that ran: this one, or the one just ended
                 self._diverged(epoch if samples else epoch - 1, "a weight or AdamW moment")
             saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
-        self.save_at = time.monotonic() + 60 * (self.args.save_minutes or math.inf)
+        self.saved_at = time.monotonic()
         self.unsaved_steps = 0
         return saved
 
@@ -279,7 +279,7 @@ class Trainer:
                 continue
             self._update(epoch * updates + step // self.args.grad_accum, updates)
             stopped = max(stop_signals, default=0)
-            due = time.monotonic() > self.save_at
+            due = time.monotonic() > self.saved_at + 60 * (self.args.save_minutes or math.inf)
             diverged = not self.finite
             self.finite.copy_(loss_sum.isfinite(), non_blocking=True)
             if stopped or due or diverged:

@@ -384,7 +384,7 @@ def test_saves_on_the_clock_every_save_minutes(name, tmp_path, monkeypatch, worl
     monkeypatch.setattr(stage, "save_snapshot", lambda path, s: saved.append(s["samples"]) or True)
     trainer = small_trainer(stage, tmp_path, samples=64)
     trainer.args.save_minutes = 1.0
-    trainer.save_at = 60.0
+    trainer.saved_at = 0.0
     trainer.optimizer.register_step_post_hook(lambda *_: now.__setitem__(0, now[0] + 25))
     assert trainer.train() == 0
     expected, last = [], 0.0
