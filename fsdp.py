@@ -331,7 +331,7 @@ class Trainer:
         self.saved_at = time.monotonic()
         self.unsaved_steps = 0
         # The GPU copies here whether the loss is still finite; a read a step later never waits.
-        self.finite = torch.ones((), dtype=torch.bool, pin_memory=device.type == "cuda")
+        self.finite = torch.tensor(True, pin_memory=device.type == "cuda")
         try:
             self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         except ValueError as e:
@@ -344,6 +344,7 @@ class Trainer:
         # Each rank votes a stop signal (or 0), whether a save is due, and whether its loss is NaN.
         self.stop = torch.tensor([0, 0, 0])
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
+        self.autocast = torch.autocast(device.type, torch.bfloat16, args.precision == "bf16")
         self.train_model = model
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
@@ -372,7 +373,7 @@ class Trainer:
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         source = source.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        with torch.autocast(self.device.type, torch.bfloat16, self.args.precision == "bf16"):
+        with self.autocast:
             loss_sum = F.cross_entropy(self.train_model(source), targets, reduction="sum")
         # Dividing by this process's batch (the ranks' gradients are averaged) weighs every sample
         # alike, however micro-batches and ranks split it. A short last batch takes a smaller step.
@@ -442,7 +443,8 @@ class Trainer:
         while epoch < self.args.total_epochs:
             val_batches = iter(self.val_data)  # the loader's workers load while the epoch trains
             loss, samples, stopped = self._run_epoch(epoch, samples)
-            correct = evaluate(self.model, val_batches, self.device) if stopped == 0 else 0
+            with self.autocast:
+                correct = evaluate(self.model, val_batches, self.device) if stopped == 0 else 0
             # Rank 0 counts the held-out images; the copies that pad the shares count nothing.
             evaluated = self.run["data"][2] if self.global_rank == 0 else 0
             figures = torch.tensor([loss, samples, correct, evaluated], dtype=torch.float64)
@@ -485,7 +487,7 @@ class Trainer:
 @torch.no_grad()
 def evaluate(model: nn.Module, val_batches: Iterator, device: torch.device) -> torch.Tensor:
     model.eval()
-    correct = torch.zeros((), dtype=torch.int64, device=device)
+    correct = torch.tensor(0, device=device)
     for source, targets in val_batches:
         outputs = model(source.to(device, non_blocking=True))
         correct += (outputs.argmax(1) == targets.to(device, non_blocking=True)).sum()

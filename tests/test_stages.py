@@ -154,6 +154,32 @@ def test_every_step_trains_in_training_mode(stage, tmp_path, world_of_one):
     assert modes == [True] * 8, modes
 
 
+class PositionBias(torch.nn.Module):
+    """The convnet plus a bias that a layer computes from a float32 buffer, not from the images,
+    as Swin V2's attention does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convnet = single_gpu().build_model("convnet", 10, 32)
+        self.mlp = torch.nn.Linear(2, 10)
+        self.register_buffer("table", torch.ones(2))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.convnet(images) + self.mlp(self.table)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_evaluates_as_it_trains(stage, tmp_path, world_of_one):
+    """--precision bf16: the held-out pass computes in bfloat16 as the steps do (4 steps, then 2
+    held-out batches), so that fsdp.py, whose weights are bfloat16, can evaluate a model that
+    feeds a float32 buffer to a layer."""
+    trainer = small_trainer(stage_module(stage), tmp_path, precision="bf16", model=PositionBias())
+    dtypes = []
+    trainer.model.register_forward_hook(lambda m, _, out: dtypes.append((m.training, out.dtype)))
+    assert trainer.train() == 0
+    assert dtypes == [(True, torch.bfloat16)] * 4 + [(False, torch.bfloat16)] * 2, dtypes
+
+
 @pytest.mark.parametrize("stage", ["multigpu", "multigpu_torchrun", "multinode"])
 def test_ddp_averages_the_gradients_once_a_step(stage, tmp_path, monkeypatch, world_of_one):
     """--grad_accum 2 under DDP (a process group of one that says it has two ranks, so that the
@@ -340,17 +366,18 @@ def test_a_last_batch_of_one_is_left_out_unless_it_is_the_only_one():
         assert [len(targets) for _, targets in train_data] == batches
 
 
-def small_trainer(stage, tmp_path, samples: int = 8) -> object:
-    """The stage's Trainer on random images at batch 2 (4 steps for 8 samples), on the CPU; the
-    distributed stages in a process group of one (world_of_one)."""
+def small_trainer(stage, tmp_path, samples: int = 8, precision: str = "fp32", model=None) -> object:
+    """The stage's Trainer (of the convnet unless `model` is given) on random images at batch 2
+    (4 steps for 8 samples), on the CPU; the distributed stages in a process group of one
+    (world_of_one)."""
     flags = dict(total_epochs=1, save_every=1, batch_size=2, grad_accum=1, lr=3e-3, seed=0)
-    flags.update(workers=0, compile=False, precision="fp32", grad_clip=0.0, save_minutes=30.0)
+    flags.update(workers=0, compile=False, precision=precision, grad_clip=0.0, save_minutes=30.0)
     args = argparse.Namespace(**flags, snapshot_path=str(tmp_path / "snapshot.pt"))
     data = TensorDataset(torch.randn(samples, 3, 32, 32), torch.arange(samples) % 10)
     train_data, val_data = stage.prepare_dataloaders(data, data, args, gpu=False)
-    model = stage.build_model("convnet", 10, 32)
+    model = model or stage.build_model("convnet", 10, 32)
     if hasattr(stage, "shard_model"):  # fsdp.py
-        stage.shard_model(model, "fp32", torch.device("cpu"), False)
+        stage.shard_model(model, precision, torch.device("cpu"), False)
     run = {"batch": 2, "data": [10, samples, samples, 32]}
     return stage.Trainer(model, train_data, val_data, torch.device("cpu"), args, run)
 
