@@ -840,6 +840,7 @@ FLOOR_TESTS = {
     "test_the_optimizer_implementation_comes_from_the_machine",
     "test_a_process_on_a_gpu_node_takes_its_own_gpu_and_nccl",
     "test_each_step_takes_the_scheduled_learning_rate",
+    "test_bf16_evaluates_as_it_trains",
     "test_ddp_averages_the_gradients_once_a_step",
     "test_deterministic_asks_for_deterministic_kernels",
     "test_each_rank_and_step_draws_its_own_dropout",
