@@ -375,7 +375,8 @@ def small_trainer(stage, tmp_path, samples: int = 8, precision: str = "fp32", mo
     args = argparse.Namespace(**flags, snapshot_path=str(tmp_path / "snapshot.pt"))
     data = TensorDataset(torch.randn(samples, 3, 32, 32), torch.arange(samples) % 10)
     train_data, val_data = stage.prepare_dataloaders(data, data, args, gpu=False)
-    model = model or stage.build_model("convnet", 10, 32)
+    if model is None:  # an nn.Sequential of no layers would read as false
+        model = stage.build_model("convnet", 10, 32)
     if hasattr(stage, "shard_model"):  # fsdp.py
         stage.shard_model(model, precision, torch.device("cpu"), False)
     run = {"batch": 2, "data": [10, samples, samples, 32]}
