@@ -108,7 +108,7 @@ def load_datasets(data_dir: str | None, size: int, augment: str) -> tuple[Datase
     resize = [T.Resize(size), T.CenterCrop(size)]
     to_tensor = [T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)]
     randomly = {"crop": T.RandomCrop(size, padding=size // 8), "flip": T.RandomHorizontalFlip()}
-    chosen = [randomly[name] for name in augment.split("+") if name != "none"]
+    chosen = [transform for name, transform in randomly.items() if name in augment]
     try:
         train = datasets.ImageFolder(f"{data_dir}/train", T.Compose(resize + chosen + to_tensor))
         val = datasets.ImageFolder(f"{data_dir}/val", T.Compose(resize + to_tensor))
@@ -214,7 +214,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
         dcp.set_optimizer_state_dict(model, optimizer, named, options=BROADCAST)
     except Exception as e:
         raise ValueError(f"cannot resume from {path}: {' '.join(str(e).split())[:200]}") from None
-    return snapshot["epoch"], snapshot.get("samples", 0), snapshot.get("loss_sum", 0.0)
+    return snapshot["epoch"], snapshot["samples"], snapshot["loss_sum"]
 
 
 def keyed(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -387,7 +387,7 @@ class Trainer:
         if self.args.grad_clip:  # it clips by the norm of the step's whole gradient, all ranks'
             nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         self.unsaved_steps += 1
 
     def _run_epoch(self, epoch: int, samples: int) -> tuple[torch.Tensor, int, int]:
@@ -476,11 +476,10 @@ class Trainer:
 
     def _diverged(self, epoch: int, what: str) -> int:
         if self.global_rank == 0:
-            since = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
+            when = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
             if not os.path.exists(self.args.snapshot_path):
-                since = f"{self.unsaved_steps} steps into the run, before any snapshot"
-            error = f"error: {what} is NaN or infinite in epoch {epoch + 1}, {since}"
-            print(error, file=sys.stderr)
+                when = f"{self.unsaved_steps} steps into the run, before any snapshot"
+            print(f"error: {what} is NaN or infinite in epoch {epoch + 1}, {when}", file=sys.stderr)
         return 1
 
 

@@ -448,7 +448,7 @@ def write_snapshot(path: Path, epoch: int, **more) -> None:
     model = single_gpu().build_model("convnet", 10, 32)
     optimizer = torch.optim.AdamW(model.parameters())
     snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
-    snapshot.update(more)
+    snapshot.update(samples=0, loss_sum=0.0, **more)
     torch.save(snapshot, path)
 
 

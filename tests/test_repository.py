@@ -21,8 +21,8 @@ README = (REPO / "README.md").read_text()
 # Changed lines to the next stage, and code tokens (Python's tokens outside comments, docstrings
 # and argparse's help strings): no stage grows past these figures. Comments and help are free.
 LIMITS = {"single_gpu": 140, "multigpu": 49, "multigpu_torchrun": 32, "multinode": 118}
-TOKENS = {"single_gpu": 3_716, "multigpu": 4_559, "multigpu_torchrun": 4_467, "multinode": 4_694}
-TOKENS["fsdp"] = 5_507
+TOKENS = {"single_gpu": 3_700, "multigpu": 4_543, "multigpu_torchrun": 4_451, "multinode": 4_678}
+TOKENS["fsdp"] = 5_491
 
 
 def changed_lines(a: str, b: str) -> int:

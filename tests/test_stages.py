@@ -717,7 +717,7 @@ def test_the_optimizer_implementation_comes_from_the_machine(tmp_path, fused, na
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optimizer.step()
     snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    torch.save({**snapshot, "epoch": 1}, tmp_path / "snapshot.pt")
+    torch.save({**snapshot, "epoch": 1, "samples": 0, "loss_sum": 0.0}, tmp_path / "snapshot.pt")
     stage = stage_module(name)
     model, optimizer = model_and_optimizer(fused=fused, stage=stage)
     assert stage.load_snapshot(tmp_path / "snapshot.pt", model, optimizer, {}) == (1, 0, 0)
