@@ -194,10 +194,10 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
             error = e
     # Nodes that do not share the folder can hold different copies: every rank must find one save.
     found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, [str(error), *map(snapshot.get, ("id", "epoch", "samples"))])
-    if found != [found[0]] * len(found):
+    dist.all_gather_object(found, (error is None, *map(snapshot.get, ("id", "epoch", "samples"))))
+    if len(set(found)) > 1:
         raise ValueError(f"ranks resume from different snapshots: share {path}")
-    if not snapshot and not error:
+    if not os.path.exists(path):
         return 0, 0, 0.0
     try:
         if error:
@@ -355,7 +355,7 @@ class Trainer:
         if self.global_rank == 0:
             snapshot = dict(model=model, optimizer=keyed(optimizer, self.model, self.optimizer))
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
-            snapshot["id"] = os.urandom(8).hex()  # each save its own: the ranks compare it
+            snapshot["id"] = os.urandom(8)  # each save its own: the ranks compare it
             # The last update came after the last loss checked, and can make a weight or moment NaN.
             moments = [m for s in snapshot["optimizer"]["state"].values() for m in s.values()]
             finite = all(t.isfinite().all() for t in [*snapshot["model"].values(), *moments])
@@ -402,6 +402,7 @@ class Trainer:
         steps = len(self.train_data)
         updates = math.ceil(steps / self.args.grad_accum)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        samples = sampler.start  # from here on, the samples this rank trained
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
@@ -409,6 +410,7 @@ class Trainer:
             torch.manual_seed(hash((self.args.seed, self.global_rank, epoch, step)))
             update = (step + 1) % self.args.grad_accum == 0 or step + 1 == steps
             loss_sum += self._run_batch(source, targets)  # FSDP reduce-scatters each micro-batch
+            samples += len(targets)
             if not update:
                 continue
             self._update(epoch * updates + step // self.args.grad_accum, updates)
@@ -424,12 +426,11 @@ class Trainer:
             self.finite.copy_(loss_sum.isfinite(), non_blocking=True)
             self.vote = dist.all_reduce(self.stop, dist.ReduceOp.MAX, self.cpu_group, async_op=True)
             if stopped or due or diverged:
-                samples = min(len(sampler), (step + 1) * self.args.batch_size)
                 return loss_sum, samples, stopped or None
             if self.global_rank == 0 and time.monotonic() > report:
                 print(f"  epoch {epoch + 1}: step {step + 1} of {steps}", flush=True)
                 report = time.monotonic() + 30
-        return loss_sum, min(len(sampler), steps * self.args.batch_size), 0
+        return loss_sum, samples, 0
 
     def train(self) -> int:
         """Returns the exit code: 0 at the end, 128 + the signal after a stop and its save, 1 if a
@@ -439,8 +440,8 @@ class Trainer:
             left = max(0, self.args.total_epochs - epoch)
             where = f" and {samples} samples of epoch {epoch + 1}" if samples else ""
             print(f"{self.args.snapshot_path}: resumed after epoch {epoch}{where}, {left} to go")
-        began, skipped = time.perf_counter(), samples
         while epoch < self.args.total_epochs:
+            began, skipped = time.perf_counter(), samples
             val_batches = iter(self.val_data)  # the loader's workers load while the epoch trains
             loss, samples, stopped = self._run_epoch(epoch, samples)
             with self.autocast:
@@ -471,7 +472,6 @@ class Trainer:
             if due and not self._save_snapshot(epoch + 1):
                 return 1
             epoch, samples, loss_sum = epoch + 1, 0, 0.0
-            began, skipped = time.perf_counter(), 0
         return 0
 
     def _diverged(self, epoch: int, what: str) -> int:
@@ -575,12 +575,10 @@ def positive(text: str) -> int:
 
 if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:  # started by srun
-        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-            error = "error: export MASTER_ADDR and MASTER_PORT (see the first lines)"
-            sys.exit(error if os.environ["SLURM_PROCID"] == "0" else 1)
         slurm = {"RANK": "PROCID", "LOCAL_RANK": "LOCALID", "WORLD_SIZE": "STEP_NUM_TASKS"}
-        os.environ.update({name: os.environ[f"SLURM_{key}"] for name, key in slurm.items()})
-        os.environ["LOCAL_WORLD_SIZE"] = str(len(os.environ["SLURM_GTIDS"].split(",")))
+        for name, key in slurm.items():
+            os.environ[name] = os.environ[f"SLURM_{key}"]
+        os.environ["LOCAL_WORLD_SIZE"] = str(os.environ["SLURM_GTIDS"].count(",") + 1)
     # argparse shows the docstring as written, so that its launch command keeps its own lines.
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -637,4 +635,6 @@ if __name__ == "__main__":
     if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         error = "error: restarts need --rdzv-backend=c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
         sys.exit(error if os.environ["RANK"] == "0" else 1)
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:  # srun does not set them
+        sys.exit("error: export MASTER_ADDR and MASTER_PORT" if os.environ["RANK"] == "0" else 1)
     main(int(os.environ["LOCAL_RANK"]), args)

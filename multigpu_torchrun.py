@@ -307,6 +307,7 @@ class Trainer:
         steps = len(self.train_data)
         updates = math.ceil(steps / self.args.grad_accum)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        samples = sampler.start  # from here on, the samples this rank trained
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
@@ -316,6 +317,7 @@ class Trainer:
             sync = update or dist.get_world_size() == 1  # DDP syncs at a step's end
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
                 loss_sum += self._run_batch(source, targets)
+            samples += len(targets)
             if not update:
                 continue
             self._update(epoch * updates + step // self.args.grad_accum, updates)
@@ -331,12 +333,11 @@ class Trainer:
             self.finite.copy_(loss_sum.isfinite(), non_blocking=True)
             self.vote = dist.all_reduce(self.stop, dist.ReduceOp.MAX, self.cpu_group, async_op=True)
             if stopped or due or diverged:
-                samples = min(len(sampler), (step + 1) * self.args.batch_size)
                 return loss_sum, samples, stopped or None
             if self.global_rank == 0 and time.monotonic() > report:
                 print(f"  epoch {epoch + 1}: step {step + 1} of {steps}", flush=True)
                 report = time.monotonic() + 30
-        return loss_sum, min(len(sampler), steps * self.args.batch_size), 0
+        return loss_sum, samples, 0
 
     def train(self) -> int:
         """Returns the exit code: 0 at the end, 128 + the signal after a stop and its save, 1 if a
@@ -346,8 +347,8 @@ class Trainer:
             left = max(0, self.args.total_epochs - epoch)
             where = f" and {samples} samples of epoch {epoch + 1}" if samples else ""
             print(f"{self.args.snapshot_path}: resumed after epoch {epoch}{where}, {left} to go")
-        began, skipped = time.perf_counter(), samples
         while epoch < self.args.total_epochs:
+            began, skipped = time.perf_counter(), samples
             val_batches = iter(self.val_data)  # the loader's workers load while the epoch trains
             loss, samples, stopped = self._run_epoch(epoch, samples)
             with self.autocast:
@@ -377,7 +378,6 @@ class Trainer:
             if due and not self._save_snapshot(epoch + 1):
                 return 1
             epoch, samples, loss_sum = epoch + 1, 0, 0.0
-            began, skipped = time.perf_counter(), 0
         return 0
 
     def _diverged(self, epoch: int, what: str) -> int:

@@ -744,8 +744,8 @@ def runs(request, tmp_path_factory):
     # Two nodes whose snapshots have the same size, epoch and samples, and another content: node
     # 1's is a stale copy, another save of the same epoch (each save draws its own id).
     nodes = folder("stale0"), folder("stale1")
-    write_snapshot(nodes[0] / "snapshot.pt", epoch=2, id="0123456789abcdef")
-    write_snapshot(nodes[1] / "snapshot.pt", epoch=2, id="fedcba9876543210")
+    write_snapshot(nodes[0] / "snapshot.pt", epoch=2, id=bytes(8))
+    write_snapshot(nodes[1] / "snapshot.pt", epoch=2, id=bytes([1] * 8))
     stale = bytearray((nodes[1] / "snapshot.pt").read_bytes())
     stale[len(stale) // 2] ^= 1  # and a bit of a weight
     (nodes[1] / "snapshot.pt").write_bytes(stale)

@@ -504,9 +504,9 @@ def world_of_one(tmp_path):
 
 @pytest.mark.parametrize("name", STAGES)
 def test_speed_counts_what_this_start_trained(name, tmp_path, monkeypatch, capsys, world_of_one):
-    """samples/s: the samples an epoch trained since it began or resumed, over that time. Resumed
-    after 4 of 8 samples, with each step 1 s on the stage's own clock: 2 steps of 2 samples in
-    epoch 1, then 4 in epoch 2, both 2 samples/s."""
+    """samples/s: the samples an epoch trained since it began, resumed or saved, over that time.
+    Resumed after 4 of 8 samples, with each step 1 s on the stage's own clock: 2 steps of 2
+    samples in epoch 1, then 4 in epoch 2, both 2 samples/s."""
     stage = stage_module(name)
     now = [0.0]
     fake_time = types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=lambda: now[0])
