@@ -192,8 +192,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
             snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # runs no code in it
         except Exception as e:  # said below, once the ranks know that they found the same file
             error = e
-    # Nodes that do not share the folder can hold different copies: every rank must find one save.
-    found = [None] * dist.get_world_size()
+    found = [None] * dist.get_world_size()  # nodes that share no folder may hold other copies
     dist.all_gather_object(found, (error is None, *map(snapshot.get, ("id", "epoch", "samples"))))
     if len(set(found)) > 1:
         raise ValueError(f"ranks resume from different snapshots: share {path}")
