@@ -290,8 +290,9 @@ class Trainer:
         self.unsaved_steps += 1
 
     def _run_epoch(self, epoch: int, samples: int) -> tuple[torch.Tensor, int, int]:
-        """Trains the epoch from its `samples`-th sample on. Returns this rank's loss sum and
-        samples, and why: 0 at the epoch's end, the signal at a stop, None for a save or a NaN."""
+        """Trains the epoch from its `samples`-th sample on. Returns the loss sum and the samples
+        this rank trained, and why: 0 at the epoch's end, the signal at a stop, None for a save or
+        a NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
         self.train_data.dataset.epoch.value = epoch  # it seeds each sample's crop and flip
@@ -301,7 +302,7 @@ class Trainer:
         steps = len(self.train_data)
         updates = math.ceil(steps / self.args.grad_accum)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        samples = sampler.start  # from here on, the samples this rank trained
+        trained = 0
         report = time.monotonic() + 30
         self.model.train()
         for step, (source, targets) in enumerate(self.train_data, first):
@@ -311,7 +312,7 @@ class Trainer:
             sync = update or dist.get_world_size() == 1  # DDP syncs at a step's end
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
                 loss_sum += self._run_batch(source, targets)
-            samples += len(targets)
+            trained += len(targets)
             if not update:
                 continue
             self._update(epoch * updates + step // self.args.grad_accum, updates)
@@ -327,11 +328,11 @@ class Trainer:
             self.finite.copy_(loss_sum.isfinite(), non_blocking=True)
             self.vote = dist.all_reduce(self.stop, dist.ReduceOp.MAX, self.cpu_group, async_op=True)
             if stopped or due or diverged:
-                return loss_sum, samples, stopped or None
+                return loss_sum, trained, stopped or None
             if self.global_rank == 0 and time.monotonic() > report:
                 print(f"  epoch {epoch + 1}: step {step + 1} of {steps}", flush=True)
                 report = time.monotonic() + 30
-        return loss_sum, samples, 0
+        return loss_sum, trained, 0
 
     def train(self) -> int:
         """Returns the exit code: 0 at the end, 128 + the signal after a stop and its save, 1 if a
@@ -342,16 +343,17 @@ class Trainer:
             where = f" and {samples} samples of epoch {epoch + 1}" if samples else ""
             print(f"{self.args.snapshot_path}: resumed after epoch {epoch}{where}, {left} to go")
         while epoch < self.args.total_epochs:
-            began, skipped = time.perf_counter(), samples
+            began = time.perf_counter()
             val_batches = iter(self.val_data)  # the loader's workers load while the epoch trains
-            loss, samples, stopped = self._run_epoch(epoch, samples)
+            loss, trained, stopped = self._run_epoch(epoch, samples)
             with self.autocast:
                 correct = evaluate(self.model, val_batches, self.device) if stopped == 0 else 0
             evaluated = len(self.val_data.dataset)
-            figures = torch.tensor([loss, samples, correct, evaluated], dtype=torch.float64)
+            figures = torch.tensor([loss, trained, correct, evaluated], dtype=torch.float64)
             dist.all_reduce(figures, group=self.cpu_group)  # each figure becomes the ranks' sum
-            loss, samples, correct, evaluated = figures.tolist()
+            loss, trained, correct, evaluated = figures.tolist()
             loss_sum += float(loss)
+            samples += trained
             if not math.isfinite(loss_sum):
                 return self._diverged(epoch, "the loss")
             if stopped != 0:  # a stop signal or a save (None) ended the epoch early
@@ -364,7 +366,7 @@ class Trainer:
                     print(f"{signal.Signals(stopped).name}: stopped {where}; run again to resume")
                 return 128 + stopped
             if self.global_rank == 0:
-                speed = (samples - skipped) / (time.perf_counter() - began)
+                speed = trained / (time.perf_counter() - began)
                 means = f"loss {loss_sum / samples:.4f} | acc {float(correct) / evaluated:.4f}"
                 rest = f"lr {self.optimizer.param_groups[0]['lr']:.2e} | batch {self.run['batch']}"
                 print(f"Epoch {epoch + 1} | {means} | {rest} | {speed:.0f} samples/s", flush=True)
