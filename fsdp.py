@@ -193,7 +193,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
         except Exception as e:  # said below, once the ranks know that they found the same file
             error = e
     found = [None] * dist.get_world_size()  # nodes that share no folder may hold other copies
-    dist.all_gather_object(found, (error is None, *map(snapshot.get, ("id", "epoch", "samples"))))
+    dist.all_gather_object(found, (not error, *map(snapshot.get, ("id", "epoch", "samples"))))
     if len(set(found)) > 1:
         raise ValueError(f"ranks resume from different snapshots: share {path}")
     if not os.path.exists(path):
@@ -208,7 +208,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
         dcp.set_model_state_dict(model, snapshot["model"], options=BROADCAST)
         # AdamW keeps this machine's implementation (fused on GPUs), whatever the file's was.
         for group in snapshot["optimizer"]["param_groups"]:
-            group.update(fused=optimizer.defaults["fused"], foreach=None)
+            group["fused"] = optimizer.defaults["fused"]
         named = keyed(snapshot["optimizer"], model, optimizer)
         dcp.set_optimizer_state_dict(model, optimizer, named, options=BROADCAST)
     except Exception as e:
@@ -577,8 +577,7 @@ def positive(text: str) -> int:
 if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:  # started by srun
         slurm = {"RANK": "PROCID", "LOCAL_RANK": "LOCALID", "WORLD_SIZE": "STEP_NUM_TASKS"}
-        for name, key in slurm.items():
-            os.environ[name] = os.environ[f"SLURM_{key}"]
+        os.environ.update({name: os.environ[f"SLURM_{key}"] for name, key in slurm.items()})
         os.environ["LOCAL_WORLD_SIZE"] = str(os.environ["SLURM_GTIDS"].count(",") + 1)
     # argparse shows the docstring as written, so that its launch command keeps its own lines.
     parser = argparse.ArgumentParser(

@@ -183,7 +183,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
         model.load_state_dict(snapshot["model"])
         # AdamW keeps this machine's implementation (fused on GPUs), whatever the file's was.
         for group in snapshot["optimizer"]["param_groups"]:
-            group.update(fused=optimizer.defaults["fused"], foreach=None)
+            group["fused"] = optimizer.defaults["fused"]
         optimizer.load_state_dict(snapshot["optimizer"])
     except Exception as e:
         raise ValueError(f"cannot resume from {path}: {' '.join(str(e).split())[:200]}") from None
