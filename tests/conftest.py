@@ -691,6 +691,10 @@ def runs(request, tmp_path_factory):
     write_bad_snapshot(nodes[1] / "snapshot.pt", "garbage")
     args = [4, 1, "--batch_size", 32]
     runs.start("apart", nodes[0], stage="multinode", args=args, node_cwds=nodes)
+    # The same where node 0 has no snapshot: a new run there, and a file node 1 cannot read.
+    nodes = folder("fresh0"), folder("fresh1")
+    write_bad_snapshot(nodes[1] / "snapshot.pt", "garbage")
+    runs.start("apart-fresh", nodes[0], stage="multinode", args=args, node_cwds=nodes)
     # Flags as the walkthroughs write them, 2 loader workers, and at exit (test_faults.py; the
     # torchrun stages end alike): a user's atexit handler and unflushed print in every process,
     # output not a terminal; the loader workers must have ended before the exit functions start.

@@ -30,6 +30,7 @@ from conftest import (
     single_gpu,
     stage_env,
     stage_module,
+    write_bad_snapshot,
 )
 
 
@@ -728,6 +729,21 @@ def test_the_optimizer_implementation_comes_from_the_machine(tmp_path, fused, na
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optimizer.step()  # the chosen implementation runs from the loaded state
     assert optimizer.state_dict()["param_groups"][0]["fused"] is fused
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_a_file_no_rank_can_read_is_named_with_torchs_reason(tmp_path, name, world_of_one):
+    """Garbage in the snapshot's place: the error names the file and torch's own reason, in every
+    stage (multinode.py and fsdp.py raise it once the ranks agree that each found the same)."""
+    path = tmp_path / "snapshot.pt"
+    write_bad_snapshot(path, "garbage")
+    with pytest.raises(RuntimeError) as reason:  # torch's words: mmap needs a zip file
+        torch.load(path, "cpu", weights_only=True, mmap=True)
+    model, optimizer = model_and_optimizer(fused=False, stage=stage_module(name))
+    with pytest.raises(ValueError) as error:
+        stage_module(name).load_snapshot(path, model, optimizer, {})
+    said = f"cannot resume from {path}: {' '.join(str(reason.value).split())[:60]}"
+    assert str(error.value).startswith(said), error.value
 
 
 @pytest.mark.parametrize("stage", STAGES)
