@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 from conftest import (
     EPOCHS,
+    NODE_STAGES,
     REPO,
     STAGES,
     TORCHRUN,
@@ -90,8 +91,16 @@ def test_bf16_learns(runs):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_snapshot_is_plain_and_loads_safely(reference_runs, stage):
+    """A plain dict of the unwrapped model's keys; where ranks may see different files
+    (multinode.py, fsdp.py), each save also carries an id of its own, 8 random bytes."""
     snapshot = torch.load(reference_runs[stage][0] / "snapshot.pt", weights_only=True)
     assert snapshot["epoch"] == EPOCHS
+    saves = [reference_runs[stage][0] / f"snapshot.pt.epoch{e}" for e in range(1, EPOCHS + 1)]
+    ids = [load(save).get("id") for save in saves]
+    if stage in NODE_STAGES:
+        assert len(set(ids)) == EPOCHS and all(len(drawn) == 8 for drawn in ids), ids
+    else:
+        assert ids == [None] * EPOCHS, ids
     assert not any(k.startswith("module.") for k in snapshot["model"])
     model = single_gpu().build_model("convnet", 10, 32)
     model.load_state_dict(snapshot["model"])  # every key, every shape
