@@ -75,8 +75,7 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     torch.set_num_threads(max(1, min(cores, node // local_world_size)))
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL needs a GPU of its own for each process
-        error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
-        sys.exit(error if local_rank == 0 else 1)
+        raise ValueError(f"{local_world_size} processes on this node and {gpus} GPUs: one GPU each")
     device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)
@@ -186,14 +185,13 @@ def get_lr(step: int, steps: int, peak: float) -> float:
 def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run: dict) -> tuple:
     """Loads the snapshot, if there is one, into the model and optimizer. Returns where to
     resume: the epochs done, then the samples trained and their loss sum in the next one."""
-    snapshot, error = {}, None  # without a file, a new run
-    if os.path.exists(path):
-        try:
-            snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # runs no code in it
-        except Exception as e:  # said below, once the ranks know that they found the same file
-            error = e
+    snapshot, error = {}, None
+    try:
+        snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # runs no code in it
+    except Exception as e:  # no file (a new run), or one said below once the ranks compare theirs
+        error = e
     found = [None] * dist.get_world_size()  # nodes that share no folder may hold other copies
-    dist.all_gather_object(found, (not error, *map(snapshot.get, ("id", "epoch", "samples"))))
+    dist.all_gather_object(found, (str(error), *map(snapshot.get, ("id", "epoch", "samples"))))
     if len(set(found)) > 1:
         raise ValueError(f"ranks resume from different snapshots: share {path}")
     if not os.path.exists(path):
@@ -529,9 +527,9 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
             model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
+        device = setup(local_rank, global_rank)
     except ValueError as e:  # bad input ends the job with one error line
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
-    device = setup(local_rank, global_rank)
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS needs this to be deterministic
         torch.use_deterministic_algorithms(True)
@@ -635,6 +633,4 @@ if __name__ == "__main__":
     if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         error = "error: restarts need --rdzv-backend=c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
         sys.exit(error if os.environ["RANK"] == "0" else 1)
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:  # srun does not set them
-        sys.exit("error: export MASTER_ADDR and MASTER_PORT" if os.environ["RANK"] == "0" else 1)
     main(int(os.environ["LOCAL_RANK"]), args)

@@ -67,8 +67,7 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     torch.set_num_threads(max(1, min(cores, node // local_world_size)))
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL needs a GPU of its own for each process
-        error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
-        sys.exit(error if local_rank == 0 else 1)
+        raise ValueError(f"{local_world_size} processes on this node and {gpus} GPUs: one GPU each")
     device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)
@@ -429,9 +428,9 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
+        device = setup(local_rank, global_rank)
     except ValueError as e:  # bad input ends the job with one error line
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
-    device = setup(local_rank, global_rank)
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS needs this to be deterministic
         torch.use_deterministic_algorithms(True)

@@ -377,9 +377,9 @@ def main(args: argparse.Namespace) -> int:
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
+        device = setup()
     except ValueError as e:  # bad input ends the job with one error line
         sys.exit(f"error: {e}")
-    device = setup()
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS needs this to be deterministic
         torch.use_deterministic_algorithms(True)

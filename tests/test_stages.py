@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from conftest import (
@@ -195,7 +196,6 @@ def test_ddp_averages_the_gradients_once_a_step(stage, tmp_path, monkeypatch, wo
     """--grad_accum 2 under DDP (a process group of one that says it has two ranks, so that the
     stage wraps its model): micro-batches that end no step add up their gradients locally
     (no_sync), and DDP all-reduces them once a step: 2 times for a rank's 4 micro-batches."""
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
@@ -221,7 +221,6 @@ def test_deterministic_asks_for_deterministic_kernels(stage, deterministic, tmp_
     cuBLAS has the workspace they need and cuDNN does not pick kernels by timing them; without
     it, cuDNN times them (on GPUs: results bit for bit, or speed). main() runs here in a process
     group of one, as torchrun would start it, up to the trainer."""
-    import torch.distributed as dist
 
     module, seen = stage_module(stage), []
 
@@ -285,7 +284,6 @@ def test_clipping_changes_the_step(tmp_path):
 def test_a_process_takes_its_share_of_the_node(monkeypatch, cores, node, processes, threads):
     """setup() sets as many threads as its share of the cores Slurm gives the job on the node,
     and no more than the cores it may use."""
-    import torch.distributed as dist
 
     module = stage_module("multinode")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
@@ -504,7 +502,6 @@ def test_each_step_takes_the_scheduled_learning_rate(stage, tmp_path, world_of_o
 @pytest.fixture
 def world_of_one(tmp_path):
     """A gloo process group of one process, here, as setup() starts it in a run."""
-    import torch.distributed as dist
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -760,7 +757,6 @@ def test_a_process_on_a_gpu_node_takes_its_own_gpu_and_nccl(monkeypatch, stage):
     """On a node that shows 2 GPUs (torch told so: CI has none), setup() gives local rank 1 GPU
     1 and makes it the current device, lets float32 matmuls use TF32, and starts NCCL bound to
     that GPU as global rank 3 (single_gpu.py: the current GPU, TF32)."""
-    import torch.distributed as dist
 
     module, called = stage_module(stage), {}
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -786,17 +782,18 @@ def test_a_process_on_a_gpu_node_takes_its_own_gpu_and_nccl(monkeypatch, stage):
 def test_more_processes_than_gpus_are_refused(monkeypatch, stage, gpus, processes):
     """4 processes on a node that shows 2 GPUs, or two on one GPU (`--world_size 2` on a machine
     with one, torchrun's --nproc_per_node=2 there), would share a GPU (NCCL: "Duplicate GPU
-    detected"): one line from local rank 0 before the process group starts, the others exit 1."""
+    detected"): every rank refuses before the process group starts, as bad input, which rank 0
+    alone prints (test_srun_tasks_without_an_address_say_so_once: main's one line for setup)."""
     module = stage_module(stage)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kw: pytest.fail("started"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
-    with pytest.raises(SystemExit) as exit_info:
-        module.setup(0, 0)
-    expected = f"error: {processes} processes on this node and {gpus} GPUs: one GPU each"
-    assert exit_info.value.code == expected
-    with pytest.raises(SystemExit) as exit_info:
-        module.setup(processes - 1, 0)
-    assert exit_info.value.code == 1
+    for local_rank in (0, processes - 1):
+        with pytest.raises(ValueError) as error:
+            module.setup(local_rank, 0)
+        assert (
+            str(error.value) == f"{processes} processes on this node and {gpus} GPUs: one GPU each"
+        )
 
 
 def test_flags_as_the_walkthroughs_write_them(runs):
@@ -1061,7 +1058,6 @@ def test_fsdp_cuts_a_block_into_parts_it_calls(world_of_one):
 def test_fsdp_evaluates_every_held_out_image_once(monkeypatch, world_of_one):
     """2 held-out images at 4 ranks: each rank runs one forward (FSDP gathers in every one), and
     rank 3's is a copy of an image that never counts (target -1)."""
-    import torch.distributed as dist
     from torch.utils.data import TensorDataset
 
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 4)
