@@ -64,7 +64,8 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     torch.set_num_threads(max(1, min(cores, node // local_world_size)))
     gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:  # NCCL needs a GPU of its own for each process
-        raise ValueError(f"{local_world_size} processes on this node and {gpus} GPUs: one GPU each")
+        error = f"error: {local_world_size} processes on this node and {gpus} GPUs: one GPU each"
+        sys.exit(error if local_rank == 0 else 1)
     device = torch.device("cuda", local_rank) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)

@@ -221,7 +221,6 @@ def test_deterministic_asks_for_deterministic_kernels(stage, deterministic, tmp_
     cuBLAS has the workspace they need and cuDNN does not pick kernels by timing them; without
     it, cuDNN times them (on GPUs: results bit for bit, or speed). main() runs here in a process
     group of one, as torchrun would start it, up to the trainer."""
-
     module, seen = stage_module(stage), []
 
     def trainer(*_):
@@ -284,7 +283,6 @@ def test_clipping_changes_the_step(tmp_path):
 def test_a_process_takes_its_share_of_the_node(monkeypatch, cores, node, processes, threads):
     """setup() sets as many threads as its share of the cores Slurm gives the job on the node,
     and no more than the cores it may use."""
-
     module = stage_module("multinode")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: None)
@@ -502,7 +500,6 @@ def test_each_step_takes_the_scheduled_learning_rate(stage, tmp_path, world_of_o
 @pytest.fixture
 def world_of_one(tmp_path):
     """A gloo process group of one process, here, as setup() starts it in a run."""
-
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
@@ -757,7 +754,6 @@ def test_a_process_on_a_gpu_node_takes_its_own_gpu_and_nccl(monkeypatch, stage):
     """On a node that shows 2 GPUs (torch told so: CI has none), setup() gives local rank 1 GPU
     1 and makes it the current device, lets float32 matmuls use TF32, and starts NCCL bound to
     that GPU as global rank 3 (single_gpu.py: the current GPU, TF32)."""
-
     module, called = stage_module(stage), {}
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: called.update(current=device))
@@ -782,18 +778,17 @@ def test_a_process_on_a_gpu_node_takes_its_own_gpu_and_nccl(monkeypatch, stage):
 def test_more_processes_than_gpus_are_refused(monkeypatch, stage, gpus, processes):
     """4 processes on a node that shows 2 GPUs, or two on one GPU (`--world_size 2` on a machine
     with one, torchrun's --nproc_per_node=2 there), would share a GPU (NCCL: "Duplicate GPU
-    detected"): every rank refuses before the process group starts, as bad input, which rank 0
-    alone prints (test_srun_tasks_without_an_address_say_so_once: main's one line for setup)."""
+    detected"): one line from local rank 0 before the process group starts, the others exit 1."""
     module = stage_module(stage)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kw: pytest.fail("started"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
-    for local_rank in (0, processes - 1):
-        with pytest.raises(ValueError) as error:
-            module.setup(local_rank, 0)
-        assert (
-            str(error.value) == f"{processes} processes on this node and {gpus} GPUs: one GPU each"
-        )
+    with pytest.raises(SystemExit) as exit_info:
+        module.setup(0, 0)
+    expected = f"error: {processes} processes on this node and {gpus} GPUs: one GPU each"
+    assert exit_info.value.code == expected
+    with pytest.raises(SystemExit) as exit_info:
+        module.setup(processes - 1, 0)
+    assert exit_info.value.code == 1
 
 
 def test_flags_as_the_walkthroughs_write_them(runs):
