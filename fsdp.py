@@ -189,7 +189,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
     snapshot, error = {}, None
     try:
         snapshot = torch.load(path, "cpu", weights_only=True, mmap=True)  # runs no code in it
-    except Exception as e:  # no file (a new run), or one said below once the ranks compare theirs
+    except Exception as e:  # no file is a new run; a bad file is raised below, once ranks compare
         error = e
     found = [None] * dist.get_world_size()  # nodes that share no folder may hold other copies
     dist.all_gather_object(found, (str(error), *map(snapshot.get, ("id", "epoch", "samples"))))
