@@ -229,11 +229,7 @@ class Trainer:
         self.unsaved_steps = 0
         # The GPU copies here whether the loss is still finite; a read a step later never waits.
         self.finite = torch.tensor(True, pin_memory=device.type == "cuda")
-        try:
-            self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
-        except ValueError as e:
-            dist.destroy_process_group()
-            sys.exit(f"error: {e}" if self.global_rank == 0 else 1)
+        self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         # Votes and figures are CPU tensors in a gloo group: reading them never waits for the GPU.
         self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)
         # The others wait for rank 0's write in a group of their own, for up to 30 minutes.
@@ -420,27 +416,29 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         signal.signal(signum, note_stop_signal)
     global_rank = local_rank  # on one node, the job's rank is the local rank
     torch.manual_seed(args.seed)
+    if args.deterministic:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS needs this to be deterministic
+        torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = not args.deterministic
     try:
         train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
         device = setup(local_rank, global_rank)
+        model.to(device)
+        if device.type == "cuda":  # BatchNorm takes its statistics over all ranks
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        # The settings that decide the result: a snapshot from a run with other settings is refused.
+        run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
+        run.update(data=[classes, len(train_set), len(val_set), args.image_size])
+        run["batch"] = args.batch_size * args.grad_accum * dist.get_world_size()
+        train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
+        trainer = Trainer(model, train_data, val_data, device, args, run)
     except ValueError as e:  # bad input ends the job with one error line
+        if dist.is_initialized():  # NCCL prints a warning at exit for a group left open
+            dist.destroy_process_group()
         sys.exit(f"error: {e}" if global_rank == 0 else 1)
-    if args.deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS needs this to be deterministic
-        torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = not args.deterministic
-    model.to(device)
-    if device.type == "cuda":  # BatchNorm takes its statistics over all ranks
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # The settings that decide the result: a snapshot from a run with other settings is refused.
-    run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
-    run.update(data=[classes, len(train_set), len(val_set), args.image_size])
-    run["batch"] = args.batch_size * args.grad_accum * dist.get_world_size()
-    train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
-    trainer = Trainer(model, train_data, val_data, device, args, run)
     try:
         code = trainer.train()
     except Exception as e:

@@ -213,10 +213,7 @@ class Trainer:
         self.unsaved_steps = 0
         # The GPU copies here whether the loss is still finite; a read a step later never waits.
         self.finite = torch.tensor(True, pin_memory=device.type == "cuda")
-        try:
-            self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
-        except ValueError as e:
-            sys.exit(f"error: {e}")
+        self.resume = load_snapshot(args.snapshot_path, model, self.optimizer, run)
         self.autocast = torch.autocast(device.type, torch.bfloat16, args.precision == "bf16")
         # CUDA graphs ("reduce-overhead") would overwrite the gradients that micro-batches add up.
         mode = "reduce-overhead" if args.grad_accum == 1 else None
@@ -372,25 +369,25 @@ def main(args: argparse.Namespace) -> int:
     for signum in STOP_SIGNALS:
         signal.signal(signum, note_stop_signal)
     torch.manual_seed(args.seed)
+    if args.deterministic:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS needs this to be deterministic
+        torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = not args.deterministic
     try:
         train_set, val_set, classes = load_datasets(args.data_dir, args.image_size, args.augment)
         model = build_model(args.arch, classes, args.image_size)
         if args.batch_size == 1 and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             raise ValueError(f"--arch {args.arch} has BatchNorm: use --batch_size 2 or more")
         device = setup()
+        model.to(device)
+        # The settings that decide the result: a snapshot from a run with other settings is refused.
+        run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
+        run.update(data=[classes, len(train_set), len(val_set), args.image_size])
+        run["batch"] = args.batch_size * args.grad_accum
+        train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
+        trainer = Trainer(model, train_data, val_data, device, args, run)
     except ValueError as e:  # bad input ends the job with one error line
         sys.exit(f"error: {e}")
-    if args.deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS needs this to be deterministic
-        torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = not args.deterministic
-    model.to(device)
-    # The settings that decide the result: a snapshot from a run with other settings is refused.
-    run = {name: getattr(args, name) for name in ("arch", "lr", "seed", "augment", "precision")}
-    run.update(data=[classes, len(train_set), len(val_set), args.image_size])
-    run["batch"] = args.batch_size * args.grad_accum
-    train_data, val_data = prepare_dataloaders(train_set, val_set, args, device.type == "cuda")
-    trainer = Trainer(model, train_data, val_data, device, args, run)
     try:
         return trainer.train()
     except Exception:  # an error of the program's own: exit code 1, once the loader workers end

@@ -10,8 +10,10 @@ import sys
 import warnings
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from conftest import NODE_STAGES, REPO, TORCHRUN_STAGES, own_output, write_bad_snapshot
+from conftest import NODE_STAGES, REPO, TORCHRUN_STAGES, free_port, own_output, write_bad_snapshot
 
 
 def run_in_process(stage: str, args: list, monkeypatch) -> str:
@@ -142,6 +144,22 @@ def test_bad_snapshot_is_refused_and_kept(workdir, monkeypatch, case):
     assert "cannot resume from snapshot.pt" in message
     assert (workdir / "snapshot.pt").read_bytes() == before
     assert not (workdir / "payload-ran").exists() and not list(workdir.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("stage", TORCHRUN_STAGES)
+def test_a_rank_that_refuses_a_snapshot_leaves_the_process_group(workdir, monkeypatch, stage):
+    """A snapshot refused after the process group started: the error line, and the rank leaves the
+    group before it exits (NCCL prints a warning at exit for a group left open). A group of one."""
+    write_bad_snapshot(workdir / "snapshot.pt", "garbage")
+    world = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    for name, value in {**world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(sys, "argv", [f"{stage}.py", "2", "1", "--snapshot_path", "snapshot.pt"])
+    threads = torch.get_num_threads()
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / f"{stage}.py"), run_name="__main__")
+    torch.set_num_threads(threads)  # setup() took the share of a process alone on the machine
+    assert "cannot resume from snapshot.pt" in exit_info.value.code and not dist.is_initialized()
 
 
 def test_a_bad_flag_under_torchrun_is_said_once(runs):
