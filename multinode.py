@@ -305,9 +305,8 @@ class Trainer:
         self.unsaved_steps += 1
 
     def _run_epoch(self, epoch: int, samples: int) -> tuple[torch.Tensor, int, int]:
-        """Trains the epoch from its `samples`-th sample on. Returns the loss sum and the samples
-        this rank trained, and why: 0 at the epoch's end, the signal at a stop, None for a save or
-        a NaN."""
+        """Trains the epoch from its `samples`-th sample on. Returns this rank's loss sum and
+        samples, and why it ended: 0 at its end, the signal at a stop, None for a save or a NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
         self.train_data.dataset.epoch.value = epoch  # it seeds each sample's crop and flip
@@ -331,9 +330,8 @@ class Trainer:
             if not update:
                 continue
             self._update(epoch * updates + step // self.args.grad_accum, updates)
-            # Every rank stops or saves after the same step: one rank alone would leave the others
-            # waiting. The ranks vote with an all-reduce that runs during the next step and is read
-            # after it, so that no step waits for it.
+            # All ranks stop or save after the same step, or the others would wait. The vote is an
+            # all-reduce that runs during the next step and is read after it: no step waits for it.
             self.vote.wait()
             stopped, due, diverged = self.stop.tolist()
             due_now = time.monotonic() > self.saved_at + 60 * (self.args.save_minutes or math.inf)

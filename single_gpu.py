@@ -255,9 +255,8 @@ class Trainer:
         self.unsaved_steps += 1
 
     def _run_epoch(self, epoch: int, samples: int) -> tuple[torch.Tensor, int, int]:
-        """Trains the epoch from its `samples`-th sample on. Returns the loss sum and the samples
-        this rank trained, and why: 0 at the epoch's end, the signal at a stop, None for a save or
-        a NaN."""
+        """Trains the epoch from its `samples`-th sample on. Returns this rank's loss sum and
+        samples, and why it ended: 0 at its end, the signal at a stop, None for a save or a NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
         self.train_data.dataset.epoch.value = epoch  # it seeds each sample's crop and flip
