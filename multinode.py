@@ -412,9 +412,8 @@ def prepare_dataloaders(
     train_set: Dataset, val_set: Dataset, args: argparse.Namespace, gpu: bool
 ) -> tuple[DataLoader, DataLoader]:
     """The training and held-out loaders: loader processes load batches while the GPU computes."""
-    workers = args.workers
-    if workers is None:
-        workers = min(8, torch.get_num_threads()) if gpu else 0
+    default = min(8, torch.get_num_threads()) if gpu else 0
+    workers = default if args.workers is None else args.workers
     load = dict(num_workers=workers, pin_memory=gpu, persistent_workers=workers > 0)
     load.update(worker_init_fn=start_loader_worker)
     sampler = EpochSampler(train_set, seed=args.seed)
