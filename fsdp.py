@@ -237,9 +237,8 @@ def blocks(module: nn.Module, limit: int, parts: bool = False) -> Iterator[nn.Mo
     kinds = [type(child) for child in module.children()]
     for child in module.children():
         size = sum(p.nbytes for p in child.parameters())
-        block = (parts or kinds.count(type(child)) > 1) and size > 0
-        if isinstance(child, nn.Sequential | FSDPModule):
-            block = False
+        wrapper = isinstance(child, nn.Sequential | FSDPModule)  # a container, or already a unit
+        block = (parts or kinds.count(type(child)) > 1) and size > 0 and not wrapper
         if block and (size <= limit or not list(child.children())):
             yield child
         else:
