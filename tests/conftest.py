@@ -70,6 +70,14 @@ def free_port(hold: bool = False) -> int:
     return port
 
 
+def alone_under_torchrun(monkeypatch) -> None:
+    """The variables torchrun sets for a job of one process, on a free port of this machine."""
+    world = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    world.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for name, value in world.items():
+        monkeypatch.setenv(name, value)
+
+
 def stage_env(**extra: str) -> dict:
     """CPU + gloo even on a GPU machine, and the test hooks of tests/faults, idle unless set.
     Output is buffered, as a user's is when it goes to a file or a pipe (a Slurm log)."""

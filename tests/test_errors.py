@@ -13,7 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import NODE_STAGES, REPO, TORCHRUN_STAGES, free_port, own_output, write_bad_snapshot
+from conftest import (
+    NODE_STAGES,
+    REPO,
+    TORCHRUN_STAGES,
+    alone_under_torchrun,
+    own_output,
+    write_bad_snapshot,
+)
 
 
 def run_in_process(stage: str, args: list, monkeypatch) -> str:
@@ -151,9 +158,7 @@ def test_a_rank_that_refuses_a_snapshot_leaves_the_process_group(workdir, monkey
     """A snapshot refused after the process group started: the error line, and the rank leaves the
     group before it exits (NCCL prints a warning at exit for a group left open). A group of one."""
     write_bad_snapshot(workdir / "snapshot.pt", "garbage")
-    world = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    for name, value in {**world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}.items():
-        monkeypatch.setenv(name, str(value))
+    alone_under_torchrun(monkeypatch)
     monkeypatch.setattr(sys, "argv", [f"{stage}.py", "2", "1", "--snapshot_path", "snapshot.pt"])
     threads = torch.get_num_threads()
     with pytest.raises(SystemExit) as exit_info:

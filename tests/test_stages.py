@@ -23,9 +23,9 @@ from conftest import (
     REPO,
     STAGES,
     TORCHRUN,
+    alone_under_torchrun,
     assert_bitwise_equal,
     assert_same_model,
-    free_port,
     load,
     make_image_tree,
     own_output,
@@ -230,10 +230,7 @@ def test_deterministic_asks_for_deterministic_kernels(stage, deterministic, tmp_
         raise InterruptedError  # out of main(), before it trains
 
     monkeypatch.setattr(module, "Trainer", trainer)
-    world = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    world.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    for name, value in world.items():
-        monkeypatch.setenv(name, value)
+    alone_under_torchrun(monkeypatch)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     flags = dict(data_dir=None, image_size=32, augment="none", arch="convnet", seed=0, lr=3e-3)
     flags.update(precision="fp32", batch_size=2, grad_accum=1, workers=0, compile=False)
