@@ -6,10 +6,9 @@
 (On a CPU, --nproc_per_node=2.)
 Or one srun task per GPU, with MASTER_ADDR=HOST and MASTER_PORT=29500 exported.
 
-50 10 trains 50 epochs and saves a snapshot every 10 (without the numbers: 5 and 5). Ctrl-C,
-SIGTERM or SIGUSR1 stops the run and saves a snapshot after the first optimizer step that ends
-after the signal (in stages 2 to 5, one step later). A signal after the last step lets the run
-finish. The same command resumes the run. A second Ctrl-C ends it at once, unsaved.
+50 10 trains 50 epochs, saving a snapshot every 10. Ctrl-C, SIGTERM or SIGUSR1 stops and saves the
+run after the first optimizer step to end after the signal (in stages 2 to 5, one step later), or
+lets it finish if none does. The same command resumes it. A second Ctrl-C ends it at once, unsaved.
 """
 
 import argparse
@@ -33,8 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-# Three signals stop a run and save it: Ctrl-C, SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's
-# warning that the time limit is near; Windows has none).
+# Ctrl-C, SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's time-limit warning) stop and save.
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
 stop_signals: list[int] = []
 # A collective that waits this long for a rank (stopped, or hung in a read) fails: the job ends.
@@ -42,8 +40,7 @@ TIMEOUT = timedelta(minutes=5)
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
-    """Notes a stop signal: training stops after an optimizer step and saves. A Ctrl-C also gives
-    the stop signals back their default action, so that a second one ends the process at once."""
+    """Notes a stop signal. After a Ctrl-C, a second stop signal ends the process at once."""
     stop_signals.append(signum)
     if signum == signal.SIGINT:
         for stop in STOP_SIGNALS:
@@ -63,8 +60,7 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     """The one place that picks the hardware: a GPU if there is one, else the CPU."""
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # A process takes its share of the node's cores (the Slurm job's, else all it may use), and
-    # never more than its CPU set: an srun task bound to its own cores may use only those.
+    # Each process takes its share of the node's cores, never more than its own CPU set (srun's).
     node = int(os.environ.get("SLURM_CPUS_ON_NODE", cores))
     torch.set_num_threads(max(1, min(cores, node // local_world_size)))
     gpus = torch.cuda.device_count()
@@ -120,24 +116,22 @@ class SeededSamples(Dataset):
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
-        # The trainer sets the epoch in shared memory, where the loader's workers read it.
-        self.epoch = torch.multiprocessing.Value("q", 0)
 
-    def __getitem__(self, index: int) -> tuple:
-        torch.manual_seed(hash((self.seed, self.epoch.value, index)))
-        return self.dataset[index]
+    def __getitem__(self, key: tuple[int, int]) -> tuple:  # the sampler gives (epoch, index)
+        torch.manual_seed(hash((self.seed, *key)))
+        return self.dataset[key[1]]
 
 
 class EpochSampler(DistributedSampler):
     """Shuffles by seed and epoch, so every epoch has its own order and a resume the same one;
-    it gives the epoch's samples from the `start`-th on (where a stopped epoch resumes)."""
+    it gives (epoch, index) pairs from the epoch's `start`-th sample on (where a stop resumes)."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         super().__init__(dataset, seed=seed)
         self.start = 0
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.start, None)
+        return ((self.epoch, i) for i in itertools.islice(super().__iter__(), self.start, None))
 
 
 def build_model(arch: str, classes: int, size: int) -> nn.Module:
@@ -158,8 +152,7 @@ def build_model(arch: str, classes: int, size: int) -> nn.Module:
         if arch not in models.list_models(module=models) or arch in ("googlenet", "inception_v3"):
             raise ValueError(f"--arch {arch}: use convnet or torchvision classifiers (no aux loss)")
         model = models.get_model(arch, num_classes=classes)
-    # Some models take one image size only (ViT takes 224). A forward pass on the meta device
-    # checks the shapes and computes nothing, at any size.
+    # A meta-device forward pass checks the image size (ViT takes 224 only), computing nothing.
     try:
         named = [*model.named_parameters(), *model.named_buffers()]
         with torch.device("meta"), torch.no_grad():
@@ -270,11 +263,16 @@ class Trainer:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
             snapshot["id"] = os.urandom(8)  # each save its own: the ranks compare it
-            # The last update came after the last loss checked, and can make a weight or moment NaN.
+            # Nothing NaN is written: not the loss, nor a weight or moment of the last update.
             moments = [m for s in snapshot["optimizer"]["state"].values() for m in s.values()]
-            finite = all(t.isfinite().all() for t in [*snapshot["model"].values(), *moments])
-            if not finite:  # the line names the epoch that ran: this one, or the one just ended
-                self._diverged(epoch if samples else epoch - 1, "a weight or AdamW moment")
+            tensors = [torch.tensor(loss_sum), *snapshot["model"].values(), *moments]
+            finite = all(t.isfinite().all() for t in tensors)
+            if not finite:
+                when = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
+                if not os.path.exists(self.args.snapshot_path):
+                    when = f"{self.unsaved_steps} steps into the run, before any snapshot"
+                where = f"in epoch {epoch + 1 if samples else epoch}, {when}"  # the epoch that ran
+                print(f"error: the run diverged: NaN or infinite values {where}", file=sys.stderr)
             saved = finite and save_snapshot(self.args.snapshot_path, snapshot)
         done = torch.tensor(int(saved))
         dist.all_reduce(done, dist.ReduceOp.MIN, self.save_group)  # the others wait for the write
@@ -294,22 +292,11 @@ class Trainer:
         (loss_sum / (self.args.batch_size * self.args.grad_accum)).backward()
         return loss_sum.detach()
 
-    def _update(self, step: int, updates: int) -> None:
-        """Takes the optimizer's step number `step` of the run, with `updates` steps an epoch."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = get_lr(step, self.args.total_epochs * updates, self.args.lr)
-        if self.args.grad_clip:  # it clips by the norm of the step's whole gradient, all ranks'
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        self.unsaved_steps += 1
-
     def _run_epoch(self, epoch: int, samples: int) -> tuple[torch.Tensor, int, int]:
         """Trains the epoch from its `samples`-th sample on. Returns this rank's loss sum and
         samples, and why it ended: 0 at its end, the signal at a stop, None for a save or a NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        self.train_data.dataset.epoch.value = epoch  # it seeds each sample's crop and flip
         # A resumed epoch starts after the last step it trained.
         first = math.ceil(samples / (sampler.num_replicas * self.args.batch_size))
         sampler.start = first * self.args.batch_size
@@ -329,7 +316,14 @@ class Trainer:
             trained += len(targets)
             if not update:
                 continue
-            self._update(epoch * updates + step // self.args.grad_accum, updates)
+            run_step = epoch * updates + step // self.args.grad_accum  # its number in the whole run
+            for group in self.optimizer.param_groups:
+                group["lr"] = get_lr(run_step, self.args.total_epochs * updates, self.args.lr)
+            if self.args.grad_clip:  # it clips by the norm of the step's whole gradient, all ranks'
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.unsaved_steps += 1
             # All ranks stop or save after the same step, or the others would wait. The vote is an
             # all-reduce that runs during the next step and is read after it: no step waits for it.
             self.vote.wait()
@@ -367,8 +361,6 @@ class Trainer:
             loss, trained, correct, evaluated = figures.tolist()
             loss_sum += float(loss)
             samples += trained
-            if not math.isfinite(loss_sum):
-                return self._diverged(epoch, "the loss")
             if stopped != 0:  # a stop signal or a save (None) ended the epoch early
                 if not self._save_snapshot(epoch, int(samples), loss_sum):
                     return 1
@@ -388,14 +380,6 @@ class Trainer:
                 return 1
             epoch, samples, loss_sum = epoch + 1, 0, 0.0
         return 0
-
-    def _diverged(self, epoch: int, what: str) -> int:
-        if self.global_rank == 0:
-            when = f"{self.unsaved_steps} steps after the last snapshot, which is kept"
-            if not os.path.exists(self.args.snapshot_path):
-                when = f"{self.unsaved_steps} steps into the run, before any snapshot"
-            print(f"error: {what} is NaN or infinite in epoch {epoch + 1}, {when}", file=sys.stderr)
-        return 1
 
 
 @torch.no_grad()
@@ -487,14 +471,11 @@ if __name__ == "__main__":
         slurm = {"RANK": "PROCID", "LOCAL_RANK": "LOCALID", "WORLD_SIZE": "STEP_NUM_TASKS"}
         os.environ.update({name: os.environ[f"SLURM_{key}"] for name, key in slurm.items()})
         os.environ["LOCAL_WORLD_SIZE"] = str(os.environ["SLURM_GTIDS"].count(",") + 1)
-    # argparse shows the docstring as written, so that its launch command keeps its own lines.
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    formatter = argparse.RawDescriptionHelpFormatter  # prints the docstring's lines as written
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("epochs", type=positive, nargs="?", help="the same as --total_epochs")
     parser.add_argument("every", type=positive, nargs="?", help="the same as --save_every")
     snapshot = os.path.basename(__file__).replace(".py", ".pt")  # single_gpu.pt, say
-    # The flags with a value and a default: the flag, the type of its value, its default, its help.
     flags = [
         ("--total_epochs", positive, 5, "epochs to train"),
         ("--save_every", positive, 5, "save every this many epochs and after the last"),
@@ -527,9 +508,7 @@ if __name__ == "__main__":
     if os.environ.get("RANK", "0") != "0":  # argparse's errors from rank 0 alone: one for the job
         sys.stderr = io.StringIO()
     args = parser.parse_args()
-    if not 0 < args.lr < math.inf:
-        parser.error(f"argument --lr: expected a number > 0, got {args.lr}")
-    for name in ("save_minutes", "grad_clip"):
+    for name in ("lr", "save_minutes", "grad_clip"):
         if not 0 <= getattr(args, name) < math.inf:
             parser.error(f"argument --{name}: expected a number >= 0, got {getattr(args, name)}")
     sys.stderr = stderr

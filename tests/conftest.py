@@ -848,7 +848,7 @@ FLOOR_TESTS = {
     "test_saves_on_the_clock_every_save_minutes",
     "test_snapshots_are_saved_every_save_every_epochs",
     "test_a_rank_whose_launcher_died_stops_and_saves",
-    "test_a_moment_not_finite_is_never_saved",
+    "test_a_moment_or_loss_not_finite_is_never_saved",
     "test_the_optimizer_implementation_comes_from_the_machine",
     "test_a_process_on_a_gpu_node_takes_its_own_gpu_and_nccl",
     "test_each_step_takes_the_scheduled_learning_rate",

@@ -74,8 +74,8 @@ def workdir(tmp_path, monkeypatch):
         (["2", "1", "--arch", "resnet_9000"], "--arch resnet_9000: use convnet"),
         (["2", "1", "3"], "unrecognized arguments"),
         (["2", "1", "--grad_accum", "0"], "--grad_accum"),
-        (["2", "1", "--lr", "-1"], "argument --lr: expected a number > 0"),
-        (["2", "1", "--lr", "nan"], "argument --lr: expected a number > 0"),
+        (["2", "1", "--lr", "-1"], "argument --lr: expected a number >= 0"),
+        (["2", "1", "--lr", "nan"], "argument --lr: expected a number >= 0"),
         (["2", "1", "--grad_clip", "-1"], "argument --grad_clip: expected a number >= 0"),
         (["2", "1", "--grad_clip", "inf"], "argument --grad_clip: expected a number >= 0"),
         (["2", "1", "--save_minutes", "-5"], "argument --save_minutes: expected a number >= 0"),
@@ -173,7 +173,7 @@ def test_a_bad_flag_under_torchrun_is_said_once(runs):
     run = runs["bad-flag"][1]
     output = own_output(run.output)
     assert output.count("usage: ") == 1 and output.count("error: ") == 1, run.output
-    assert "error: argument --lr: expected a number > 0, got -1.0" in output, run.output
+    assert "error: argument --lr: expected a number >= 0, got -1.0" in output, run.output
     assert run.returncode == 1, run.output
 
 
@@ -256,7 +256,7 @@ def test_a_bad_flag_is_said_by_rank_0_alone(workdir, monkeypatch, stage):
     with the same code, 2, and print nothing (under torchrun: test_a_bad_flag_under_torchrun)."""
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("RANK", "0")
-    assert "expected a number > 0" in run_in_process(stage, ["2", "1", "--lr", "-1"], monkeypatch)
+    assert "expected a number >= 0" in run_in_process(stage, ["2", "1", "--lr", "-1"], monkeypatch)
     monkeypatch.setenv("RANK", "1")
     assert run_silently(stage, ["2", "1", "--lr", "-1"], monkeypatch) == 2
 

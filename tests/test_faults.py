@@ -196,7 +196,7 @@ def test_a_crash_without_a_signal_costs_minutes_and_a_diverged_run_is_never_save
     resumed = runs[f"periodic-resume-{stage}"]  # once the snapshot is kept aside as kept.pt
     errors = [line for line in run.output.splitlines() if line.startswith("error:")]
     assert run.returncode == 1 and len(errors) == 1, run.output
-    assert errors[0].startswith("error: the loss is NaN or infinite in epoch 1, "), errors
+    assert errors[0].startswith("error: the run diverged: NaN or infinite values in epoch 1, ")
     assert "steps after the last snapshot, which is kept" in errors[0], errors
     kept = load(cwd / "kept.pt")
     assert kept["epoch"] == 0 and 0 < kept["samples"] <= 5 * 64, kept["samples"]
@@ -236,17 +236,17 @@ def test_nothing_non_finite_is_saved(runs, stage, case):
     1: an error that a new start would meet again."""
     cwd, run = runs[f"nan-{case}-{stage}"]
     late = int(stage != "single_gpu")  # the step that the ranks' vote adds
-    what, epoch, steps, kept, logged = {  # logged: the epochs whose line was printed
-        "epoch": ("a weight or AdamW moment", 2, 10, (1, 0), [1, 2]),
-        "clock": ("a weight or AdamW moment", 1, 3 + late, (0, (3 + late) * 64), []),
-        "stop": ("a weight or AdamW moment", 2, 5 + late, (1, 0), [1]),
-        "loss": ("the loss", 1, 5 + late, None, []),
+    epoch, steps, kept, logged = {  # logged: the epochs whose line was printed
+        "epoch": (2, 10, (1, 0), [1, 2]),
+        "clock": (1, 3 + late, (0, (3 + late) * 64), []),
+        "stop": (2, 5 + late, (1, 0), [1]),
+        "loss": (1, 5 + late, None, []),
     }[case]
     errors = [line for line in run.output.splitlines() if line.startswith("error:")]
     where = f"in epoch {epoch}, {steps} steps after the last snapshot, which is kept"
     if kept is None:
         where = f"in epoch {epoch}, {steps} steps into the run, before any snapshot"
-    assert errors == [f"error: {what} is NaN or infinite {where}"], run.output
+    assert errors == [f"error: the run diverged: NaN or infinite values {where}"], run.output
     assert run.returncode == 1, run.output
     assert [e[0] for e in run.epochs()] == logged and "resumed" not in run.output, run.output
     assert "stopped in epoch" not in run.output and not list(cwd.glob("*.tmp")), run.output

@@ -444,22 +444,31 @@ def test_snapshots_are_saved_every_save_every_epochs(name, tmp_path, monkeypatch
     assert saved == [2, 4, 5], saved
 
 
+@pytest.mark.parametrize("case", ["moment", "loss"])
 @pytest.mark.parametrize("name", STAGES)
-def test_a_moment_not_finite_is_never_saved(name, tmp_path, monkeypatch, capsys, world_of_one):
-    """A gradient so large that its square overflows makes AdamW's second moment infinite while
-    the weights stay finite: the save after the epoch is refused with one line, and the trainer
-    ends with exit code 1."""
+def test_a_moment_or_loss_not_finite_is_never_saved(
+    name, case, tmp_path, monkeypatch, capsys, world_of_one
+):
+    """Weights that stay finite beside a value that is not: AdamW's second moment infinite (a
+    gradient so large that its square overflows), or the loss infinite (an overflowed sum, which
+    the snapshot would hold). The save (after the epoch, or the one the loss asks for a step or
+    two later) is refused with one line, and the trainer ends with exit code 1."""
     stage = stage_module(name)
     saved = []
     monkeypatch.setattr(stage, "save_snapshot", lambda path, s: saved.append(s["epoch"]) or True)
     trainer = small_trainer(stage, tmp_path)
-    trainer.optimizer.register_step_post_hook(
-        lambda optimizer, *_: next(iter(optimizer.state.values()))["exp_avg_sq"].fill_(math.inf)
-    )
+    if case == "moment":
+        trainer.optimizer.register_step_post_hook(
+            lambda optimizer, *_: next(iter(optimizer.state.values()))["exp_avg_sq"].fill_(math.inf)
+        )
+    else:
+        run_batch = trainer._run_batch
+        trainer._run_batch = lambda source, targets: run_batch(source, targets) * math.inf
     assert trainer.train() == 1 and not saved, saved
     assert all(p.isfinite().all() for p in trainer.model.state_dict().values())
-    error = "error: a weight or AdamW moment is NaN or infinite in epoch 1, 4 steps into the run"
-    assert capsys.readouterr().err.startswith(error)
+    steps = {"moment": 4, "loss": 2 if name == "single_gpu" else 3}[case]
+    error = "error: the run diverged: NaN or infinite values in epoch 1, "
+    assert capsys.readouterr().err.startswith(f"{error}{steps} steps into the run")
 
 
 @pytest.mark.parametrize("name", STAGES[1:])
@@ -566,7 +575,7 @@ def test_processes_share_the_cores_of_their_cpu_set(runs):
 def test_each_rank_and_step_draws_its_own_dropout(stage, tmp_path, world_of_one):
     """Dropout's draws come from the seed, the rank, the epoch and the step (README): two ranks
     draw apart, every step of 2 epochs draws anew, and the same rank and step draw the same
-    again, as a resume does. Each epoch's batches load with that epoch in the samples' seed."""
+    again, as a resume does. Each epoch's samples load with that epoch in their keys' seed."""
     draws, epochs = [], []
     for run, rank in enumerate((0, 1, 0)):
         (tmp_path / str(run)).mkdir()
@@ -576,7 +585,7 @@ def test_each_rank_and_step_draws_its_own_dropout(stage, tmp_path, world_of_one)
 
         def run_batch(source, targets, seen=seen, trainer=trainer) -> torch.Tensor:
             seen.append(torch.rand(()).item())  # where dropout draws
-            epochs.append(trainer.train_data.dataset.epoch.value)  # where crops and flips draw
+            epochs.append(trainer.train_data.sampler.epoch)  # in each sample's key: its crop, flip
             return torch.zeros((), dtype=torch.float64)
 
         trainer._run_batch = run_batch
@@ -679,7 +688,6 @@ def test_augmentation_draws_alike_whatever_the_workers_and_the_resume(tmp_path):
         args = argparse.Namespace(workers=workers, batch_size=4, seed=0)
         loader, _ = single_gpu().prepare_dataloaders(train, val, args, gpu=False)
         loader.sampler.set_epoch(epoch)
-        loader.dataset.epoch.value = epoch  # as the trainer sets it
         loader.sampler.start = start
         return [images for images, _ in loader]
 
