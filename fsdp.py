@@ -15,7 +15,6 @@ lets it finish if none does. The same command resumes it. A second Ctrl-C ends i
 import argparse
 import atexit
 import contextlib
-import io
 import itertools
 import math
 import os
@@ -589,14 +588,12 @@ if __name__ == "__main__":
     parser.add_argument("--deterministic", action="store_true", help=text)
     parser.add_argument("--compile", action="store_true", help="compile the model (slower start)")
     parser.add_argument("--local-rank", "--local_rank", help=argparse.SUPPRESS)
-    stderr = sys.stderr
     if os.environ.get("RANK", "0") != "0":  # argparse's errors from rank 0 alone: one for the job
-        sys.stderr = io.StringIO()
+        parser.error = lambda message: sys.exit(2)  # argparse's exit code, without its lines
     args = parser.parse_args()
     for name in ("lr", "save_minutes", "grad_clip"):
         if not 0 <= getattr(args, name) < math.inf:
             parser.error(f"argument --{name}: expected a number >= 0, got {getattr(args, name)}")
-    sys.stderr = stderr
     args.total_epochs = args.epochs or args.total_epochs
     args.save_every = args.every or args.save_every
     if "LOCAL_RANK" not in os.environ:
