@@ -32,8 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, Te
 # Ctrl-C, SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's time-limit warning) stop and save.
 STOP_SIGNALS = [getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, s)]
 stop_signals: list[int] = []
-# A collective that waits this long for a rank (stopped, or hung in a read) fails: the job ends.
-TIMEOUT = timedelta(minutes=5)
+TIMEOUT = timedelta(minutes=5)  # a collective that waits this long for a rank fails: the job ends
 
 
 def note_stop_signal(signum: int, frame: object) -> None:
@@ -232,8 +231,7 @@ class Trainer:
         self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)
         # The others wait for rank 0's write in a group of their own, for up to 30 minutes.
         self.save_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
-        # Each rank votes a stop signal (or 0), whether a save is due, and whether its loss is NaN.
-        self.stop = torch.tensor([0, 0, 0])
+        self.stop = torch.tensor([0, 0, 0])  # votes: a stop signal (or 0), a save due, a NaN loss
         self.vote = dist.all_reduce(self.stop, group=self.cpu_group, async_op=True)
         self.autocast = torch.autocast(device.type, torch.bfloat16, args.precision == "bf16")
         # CUDA graphs ("reduce-overhead") would overwrite the gradients that micro-batches add up.
@@ -244,8 +242,7 @@ class Trainer:
 
     def _save_snapshot(self, epoch: int, samples: int = 0, loss_sum: float = 0.0) -> bool:
         saved = True
-        # Every rank comes to the save within TIMEOUT: only the wait for rank 0's write is longer.
-        dist.barrier(self.cpu_group)
+        dist.barrier(self.cpu_group)  # all come within TIMEOUT: only rank 0's write may take longer
         if self.global_rank == 0:
             snapshot = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
             snapshot.update(epoch=epoch, samples=samples, loss_sum=loss_sum, run=self.run)
