@@ -70,6 +70,9 @@ def setup(local_rank: int, global_rank: int) -> torch.device:
     # torchrun's own store is up while torchrun runs: if it died as this rank started, end here.
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         socket.create_connection((os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])).close()
+        # Ranks that torchrun restarts would meet the dead ones in this store (pytorch#135712).
+        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+            raise ValueError("restarts need c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     backend = dist.get_default_backend_for_device(device)  # NCCL for GPUs, else gloo
     device_id = device if gpus else None
     dist.init_process_group(backend, rank=global_rank, device_id=device_id, timeout=TIMEOUT)
@@ -493,10 +496,4 @@ if __name__ == "__main__":
     args.save_every = args.every or args.save_every
     if "LOCAL_RANK" not in os.environ:
         sys.exit(f"error: start {os.path.basename(__file__)} with torchrun (see its first lines)")
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
-    # Restarted workers would meet the dead ones in the store that the agent shares with them
-    # (pytorch#135712), under static rendezvous (--master_addr) whatever the variable says.
-    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        error = "error: restarts need --rdzv-backend=c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
-        sys.exit(error if os.environ["RANK"] == "0" else 1)
     main(int(os.environ["LOCAL_RANK"]), args)

@@ -6,6 +6,7 @@ import contextlib
 import io
 import runpy
 import shutil
+import socket
 import sys
 import warnings
 
@@ -103,11 +104,17 @@ def test_torchrun_scripts_started_with_python_say_how_to_launch(workdir, monkeyp
 
 @pytest.mark.parametrize("stage", TORCHRUN_STAGES)
 def test_restarts_over_torchruns_shared_store_are_refused(workdir, monkeypatch, stage):
-    """What torchrun --max-restarts=1 sets without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
-    for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("TORCHELASTIC_MAX_RESTARTS", "1")):
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    message = run_in_process(stage, ["2", "1"], monkeypatch)
+    """What torchrun --max-restarts=1 sets without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, with its
+    store listening: one line, before the process group starts."""
+    alone_under_torchrun(monkeypatch)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("it started"))
+    threads = torch.get_num_threads()
+    with socket.create_server(("127.0.0.1", 0)) as store:  # torchrun's, up
+        monkeypatch.setenv("MASTER_PORT", str(store.getsockname()[1]))
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+        message = run_in_process(stage, ["2", "1"], monkeypatch)
+    torch.set_num_threads(threads)  # setup() took the share of a process alone on the machine
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in message
 
 

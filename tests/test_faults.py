@@ -86,7 +86,7 @@ def test_restarts_without_the_variable_stop_before_any_work(runs):
     kill, every worker stops at start, and rank 0 alone says what to set."""
     cwd, run = runs["plain-multigpu_torchrun"]  # multinode.py checks alike: test_errors.py
     assert run.returncode != 0 and "Epoch" not in run.output, run.output
-    line = "error: restarts need --rdzv-backend=c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n"
+    line = "error: restarts need c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n"
     assert run.output.count(line) == 2, run.output  # rank 0's, at the start and at its restart
     # Two starts (the restart too) on a loaded machine; a hang would last until a timeout.
     assert run.seconds < 120 and not processes_left(cwd), run.output
