@@ -193,8 +193,7 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.AdamW, run
         if differs:
             raise ValueError(f"it holds another run ({'; '.join(differs)}): give each its own path")
         model.load_state_dict(snapshot["model"])
-        # AdamW keeps this machine's implementation (fused on GPUs), whatever the file's was.
-        for group in snapshot["optimizer"]["param_groups"]:
+        for group in snapshot["optimizer"]["param_groups"]:  # fused on GPUs, whatever the file says
             group["fused"] = optimizer.defaults["fused"]
         optimizer.load_state_dict(snapshot["optimizer"])
     except Exception as e:
@@ -296,9 +295,8 @@ class Trainer:
         samples, and why it ended: 0 at its end, the signal at a stop, None for a save or a NaN."""
         sampler = self.train_data.sampler
         sampler.set_epoch(epoch)
-        # A resumed epoch starts after the last step it trained.
         first = math.ceil(samples / (sampler.num_replicas * self.args.batch_size))
-        sampler.start = first * self.args.batch_size
+        sampler.start = first * self.args.batch_size  # a resume starts after the last step trained
         steps = len(self.train_data)
         updates = math.ceil(steps / self.args.grad_accum)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)

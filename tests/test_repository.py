@@ -21,8 +21,8 @@ README = (REPO / "README.md").read_text()
 # Changed lines to the next stage, and code tokens (Python's tokens outside comments, docstrings
 # and argparse's help strings): no stage grows past these figures. Comments and help are free.
 LIMITS = {"single_gpu": 136, "multigpu": 43, "multigpu_torchrun": 25, "multinode": 117}
-TOKENS = {"single_gpu": 3_642, "multigpu": 4_484, "multigpu_torchrun": 4_392, "multinode": 4_569}
-TOKENS["fsdp"] = 5_382
+TOKENS = {"single_gpu": 3_564, "multigpu": 4_396, "multigpu_torchrun": 4_266, "multinode": 4_443}
+TOKENS["fsdp"] = 5_256
 
 
 def changed_lines(a: str, b: str) -> int:
