@@ -81,7 +81,7 @@ def test_ranks_that_see_different_snapshots_stop_together(runs):
     assert (node1 / "snapshot.pt").read_bytes().startswith(b"this is not")
 
 
-def test_restarts_without_the_variable_stop_before_any_work(runs):
+def test_restarts_without_the_variable_stop_before_training(runs):
     """torchrun --max-restarts=1 as most tutorials show it: rather than fail or hang after the
     kill, every worker stops at start, and rank 0 alone says what to set."""
     cwd, run = runs["plain-multigpu_torchrun"]  # multinode.py checks alike: test_errors.py
