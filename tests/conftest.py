@@ -729,6 +729,9 @@ def runs(request, tmp_path_factory):
     cifar = ["--arch", "resnet18", "--augment", "crop+flip", "--batch_size", 19]
     args = [2, 2, "--data_dir", cwd / "data", *cifar]
     runs.start("cifar-flags", cwd, stage="single_gpu", args=args)
+    # RegNet, which the meta device cannot build, under fsdp.py on two nodes (test_stages.py).
+    args = [1, 1, "--arch", "regnet_x_400mf"]
+    runs.start("regnet-fsdp", folder("regnet-fsdp"), stage="fsdp", args=args)
     # The second snapshot cannot be written: a full disk (test_faults.py; the other distributed
     # stages share multinode.py's lines).
     for stage in ("single_gpu", "multinode"):

@@ -882,6 +882,13 @@ def test_fsdp_groups_the_repeated_blocks_into_a_few_units(arch):
     assert expected.get(arch, next(iter(kinds))) in kinds, kinds
 
 
+def test_fsdp_builds_a_model_that_the_meta_device_cannot(runs):
+    """RegNet computes its widths with tensors, which the meta device cannot: rank 1, which builds
+    shapes only, builds it on the CPU instead, and the job trains an epoch on two nodes."""
+    _, run = runs["regnet-fsdp"]
+    assert run.returncode == 0 and [e[0] for e in run.epochs()] == [1], run.output
+
+
 # Two ranks shard a model with a buffer outside the state dict: rank 1 builds it on the meta device,
 # as fsdp.py does, so only rank 0's values can fill it.
 BUFFERS = """
